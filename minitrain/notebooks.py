@@ -1,0 +1,55 @@
+"""Keep the committed notebooks fresh: ``python -m minitrain.notebooks run [paths...]``.
+
+Notebooks are committed *with* their outputs, and ``make test`` checks with nbval
+that re-running each one reproduces them. After changing a notebook (or the code
+it shows), re-execute it in place with this command, then commit it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def execute(path: Path, timeout: int = 600) -> float:
+    """Execute a notebook in place from its own folder; return the seconds it took."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.read(path, as_version=4)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # no OpenMP banner from torchrun cells
+    client = NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(path.parent)}},
+    )
+    t0 = time.perf_counter()
+    client.execute()
+    seconds = time.perf_counter() - t0
+    for cell in nb.cells:  # execution timestamps would make every run a diff
+        cell.get("metadata", {}).pop("execution", None)
+    nbformat.write(nb, path)
+    return seconds
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minitrain.notebooks", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="execute notebooks in place (default: all of notebooks/)")
+    run.add_argument("paths", nargs="*", type=Path)
+    args = parser.parse_args(argv)
+    paths = args.paths or sorted((ROOT / "notebooks").glob("*.ipynb"))
+    for path in paths:
+        print(f"executing {path} ...", flush=True)
+        print(f"  done in {execute(path.resolve()):.0f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
