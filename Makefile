@@ -1,0 +1,50 @@
+# minitrain — the two commands of the course (see README.md):
+#   make lab    set up on first use, then open the course in JupyterLab
+#   make test   set up on first use, then run every check CI runs
+# Both create .venv with the pinned requirements the first time (a few minutes).
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+READY  := $(VENV)/.ready
+PYTEST := $(BIN)/python -m pytest -p no:cacheprovider
+export OMP_NUM_THREADS ?= 1
+
+.PHONY: lab test lint unit grade-verify nbval notebooks exercises clean
+
+$(READY): requirements.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps -e .
+	touch $(READY)
+
+lab: $(READY)
+	$(BIN)/jupyter lab --notebook-dir=notebooks --ServerApp.ip=127.0.0.1
+
+test: lint unit grade-verify nbval
+	@echo "make test: every check passed"
+
+lint: $(READY)
+	$(BIN)/ruff check minitrain tests exercises solutions
+	$(BIN)/python -m minitrain.exercises check
+
+unit: $(READY)
+	$(PYTEST) tests --ignore=tests/grading -q
+
+grade-verify: $(READY)
+	$(BIN)/python -m minitrain.grade --verify
+
+nbval: $(READY)
+	$(PYTEST) --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg notebooks -q
+
+# authors: re-execute the notebooks in place after changing them, then commit
+notebooks: $(READY)
+	$(BIN)/python -m minitrain.notebooks run
+
+# authors: regenerate exercises/ and solutions/ from the markers in minitrain/
+exercises: $(READY)
+	$(BIN)/python -m minitrain.exercises build
+
+clean:
+	rm -rf $(VENV)

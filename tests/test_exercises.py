@@ -1,0 +1,173 @@
+"""The exercise machinery: stubs and solutions from the markers, edit protection, grading."""
+
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+from minitrain import exercises, point_to_point
+from minitrain.exercises import ROOT
+
+
+def test_stub_keeps_signature_docstring_and_hints_but_not_the_solution():
+    (token, bcast) = exercises.exercises_of(point_to_point)
+    assert token.qualname == "pass_the_token" and bcast.qualname == "broadcast"
+    assert token.stub.startswith("def pass_the_token(token: torch.Tensor, group=None)")
+    assert '"""Pass a token once around the ring' in token.stub
+    assert "# HINT: rank 0 must send before it receives" in token.stub
+    assert "raise NotImplementedError" in token.stub
+    assert "dist.send" not in token.stub.split('"""')[-1]  # the code after the docstring
+    assert "dist.send(held, next_rank" in token.solution
+
+
+def test_rendered_files_are_valid_python_and_import_what_they_use():
+    for chapter in exercises.CHAPTERS:
+        for solved in (False, True):
+            text = exercises.render(chapter, solved)
+            if text is not None:
+                compile(text, f"ch{chapter}", "exec")
+    namespace: dict = {}
+    exec(exercises.render(0, solved=False), namespace)
+    assert namespace["ring_neighbours"] is point_to_point.ring_neighbours
+    with pytest.raises(NotImplementedError, match="exercise: write broadcast"):
+        namespace["broadcast"](None)
+
+
+def test_build_writes_both_folders_and_check_notices_staleness(tmp_path):
+    written = exercises.build(root=tmp_path)
+    assert tmp_path / "exercises" / "ex00_point_to_point.py" in written
+    assert tmp_path / "solutions" / "ex00_point_to_point.py" in written
+    assert exercises.check(root=tmp_path) == []
+    (tmp_path / "solutions" / "ex00_point_to_point.py").write_text("# stale\n")
+    assert any("out of date" in p for p in exercises.check(root=tmp_path))
+
+
+def test_build_refuses_to_overwrite_an_edited_exercise_unless_forced(tmp_path):
+    exercises.build(root=tmp_path)
+    stub = tmp_path / "exercises" / "ex00_point_to_point.py"
+    assert exercises.is_pristine(stub)
+    stub.write_text(stub.read_text().replace("raise NotImplementedError", "return 1  # mine", 1))
+    assert not exercises.is_pristine(stub)
+    (tmp_path / "solutions" / "ex00_point_to_point.py").write_text("old")
+    with pytest.raises(SystemExit, match="refusing to overwrite"):
+        exercises.build(root=tmp_path)
+    exercises.build(root=tmp_path, force=True)
+    assert exercises.is_pristine(stub)
+
+
+def test_start_copies_stubs_once_and_never_overwrites(tmp_path):
+    exercises.build(root=tmp_path)
+    copied = exercises.start(root=tmp_path)
+    mine = tmp_path / "my_exercises" / "ex00_point_to_point.py"
+    assert mine in copied
+    mine.write_text("# my work\n")
+    assert exercises.start(root=tmp_path) == []
+    assert mine.read_text() == "# my work\n"
+
+
+LEARNER = """
+import torch.distributed as dist
+
+def my_helper(x):
+    return x * 3
+
+def pass_the_token(token, group=None):
+    return my_helper(token) + len(ring_neighbours())   # ring_neighbours: the library's
+
+def broadcast(tensor, src=0, group=None):
+    return "learner"
+"""
+
+
+def test_patching_rebinds_learner_code_into_the_library(tmp_path):
+    (tmp_path / "ex00_point_to_point.py").write_text(LEARNER)
+    script = textwrap.dedent(f"""
+        import torch
+        from minitrain import exercises, point_to_point
+        from minitrain.point_to_point import broadcast as imported_before
+        exercises.apply_patches({str(tmp_path)!r})
+        assert point_to_point.broadcast(None) == "learner"
+        assert imported_before is not point_to_point.broadcast   # old reference stays a copy
+        assert exercises.active_patches() == {str(tmp_path)!r}
+        print(point_to_point.pass_the_token(torch.tensor(1.0)).item())
+    """)
+    # ring_neighbours needs a process group: give it a one-rank gloo group
+    setup = "import torch.distributed as dist; dist.init_process_group('gloo', init_method='tcp://127.0.0.1:0', rank=0, world_size=1)\n"
+    out = subprocess.run(
+        [sys.executable, "-c", setup + script], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "5.0"
+
+
+def test_missing_learner_function_is_not_graded_on_the_references_behalf(tmp_path):
+    (tmp_path / "ex00_point_to_point.py").write_text(
+        "def broadcast(t, src=0, group=None):\n    return t\n"
+    )
+    script = textwrap.dedent(f"""
+        from minitrain import exercises, point_to_point
+        exercises.apply_patches({str(tmp_path)!r})
+        try:
+            point_to_point.pass_the_token(None)
+        except NotImplementedError as e:
+            print(e)
+    """)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
+    assert "pass_the_token is missing from ex00_point_to_point.py" in out.stdout, out.stderr
+
+
+DEADLOCK = '''
+import torch.distributed as dist
+
+def pass_the_token(token, group=None):
+    held = token.clone()
+    dist.recv(held, (dist.get_rank() - 1) % dist.get_world_size())  # everyone waits: deadlock
+    return held
+
+def broadcast(tensor, src=0, group=None):
+    """Wrong: rank src keeps its value but the others get zeros."""
+    if dist.get_rank() != src:
+        tensor.zero_()
+    return tensor
+'''
+
+
+def test_grade_reports_a_deadlock_and_a_wrong_answer_in_plain_words(tmp_path):
+    (tmp_path / "ex00_point_to_point.py").write_text(DEADLOCK)
+    env = dict(__import__("os").environ, MINITRAIN_MAX_LAUNCH_TIMEOUT="4")
+    out = subprocess.run(
+        [sys.executable, "-m", "minitrain.grade", "0", "--source", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+        env=env,
+    )
+    assert out.returncode == 1
+    assert "did not finish within the 4 s timeout" in out.stdout, out.stdout
+    assert "broadcast from rank 0 with 2 ranks: rank 1 holds [0.0, 0.0" in out.stdout, out.stdout
+    assert "score: 0/13" in out.stdout
+
+
+def test_grade_explains_how_to_start_when_there_is_nothing_to_grade(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "minitrain.grade", "--source", str(tmp_path / "nothing")],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert out.returncode == 2 and "python -m minitrain.exercises start" in out.stdout
+
+
+def test_plain_words():
+    from minitrain.grade import plain_words
+
+    def info(exc):
+        return types.SimpleNamespace(value=exc, typename=type(exc).__name__)
+
+    assert plain_words(info(AssertionError("rank 1 is off\nassert False"))) == "rank 1 is off"
+    assert plain_words(info(NotImplementedError("x"))) == "not written yet (x)"
