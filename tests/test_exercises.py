@@ -171,3 +171,58 @@ def test_plain_words():
 
     assert plain_words(info(AssertionError("rank 1 is off\nassert False"))) == "rank 1 is off"
     assert plain_words(info(NotImplementedError("x"))) == "not written yet (x)"
+
+
+DEMO_LIBRARY = '''
+SCALE = 10
+
+def helper(x):
+    return x + 1
+
+class Counter:
+    def __init__(self):
+        self.n = 0
+
+    def bump(self, k):
+        """Add k * SCALE."""
+        ### BEGIN SOLUTION
+        self.n += k * SCALE
+        ### END SOLUTION
+        return self.n
+
+    @staticmethod
+    def double(x):
+        ### BEGIN SOLUTION
+        return 2 * helper(x) - 2
+        ### END SOLUTION
+'''
+
+DEMO_LEARNER = '''
+class Counter:
+    def bump(self, k):
+        self.n += k * SCALE + 1   # off by one, on purpose
+        return self.n
+
+    @staticmethod
+    def double(x):
+        return helper(x) * 100
+'''
+
+
+def test_methods_and_staticmethods_are_extracted_and_patched(tmp_path, monkeypatch):
+    import importlib
+
+    (tmp_path / "demo_library.py").write_text(DEMO_LIBRARY)
+    (tmp_path / "demo_learner.py").write_text(DEMO_LEARNER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    lib = importlib.import_module("demo_library")
+    learner = importlib.import_module("demo_learner")
+    found = exercises.exercises_of(lib)
+    assert [e.qualname for e in found] == ["Counter.bump", "Counter.double"]
+    assert "raise NotImplementedError" in found[0].stub and "self.n +=" not in found[0].stub
+    assert found[0].stub.rstrip().endswith("return self.n")  # code after the region is kept
+    for ex in found:
+        exercises._patch_one(ex, learner, tmp_path / "demo_learner.py")
+    c = lib.Counter()
+    assert c.bump(2) == 21  # the learner's code, reading the library's SCALE
+    assert lib.Counter.double(1) == 200  # staticmethod stays static, uses the library's helper
