@@ -143,27 +143,37 @@ def render(chapter: int, solved: bool) -> str | None:
     exs = chapter_exercises(chapter)
     if not exs:
         return None
-    header_imports: list[str] = []
+    plain: set[str] = set()  # "import torch", "import torch.distributed as dist"
+    froms: dict[str, set[str]] = {}  # module -> {"name", "name as alias"}
     for mod_name in dict.fromkeys(e.module for e in exs):
-        module = sys.modules[mod_name]
-        tree = ast.parse(inspect.getsource(module))
-        src = inspect.getsource(module).splitlines()
+        tree = ast.parse(inspect.getsource(sys.modules[mod_name]))
         defined = set()
         for node in tree.body:
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                if not (isinstance(node, ast.ImportFrom) and node.module == "__future__"):
-                    header_imports.extend(src[node.lineno - 1 : node.end_lineno])
+            if isinstance(node, ast.Import):
+                plain |= {
+                    f"import {a.name}" + (f" as {a.asname}" if a.asname else "") for a in node.names
+                }
+            elif isinstance(node, ast.ImportFrom) and node.module != "__future__":
+                froms.setdefault(node.module, set()).update(
+                    a.name + (f" as {a.asname}" if a.asname else "") for a in node.names
+                )
             elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
                 defined.add(node.name)
             elif isinstance(node, (ast.Assign, ast.AnnAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 defined |= {t.id for t in targets if isinstance(t, ast.Name)}
-        own = {e.name for e in exs if e.module == mod_name and e.class_name is None}
-        needed = sorted(
-            set().union(*(e.names_used for e in exs if e.module == mod_name)) & defined - own
-        )
-        if needed:
-            header_imports.append(f"from {mod_name} import {', '.join(needed)}")
+        own = {e.class_name or e.name for e in exs if e.module == mod_name}
+        used = set().union(*(e.names_used for e in exs if e.module == mod_name))
+        if used & defined - own:
+            froms.setdefault(mod_name, set()).update(used & defined - own)
+    classes = {e.class_name for e in exs if e.class_name}  # defined below, as stubs
+    froms = {m: names - classes for m, names in froms.items() if names - classes}
+    # standard library and third party first, then minitrain; each group sorted
+    header_imports = sorted(plain, key=lambda line: (line.startswith("import minitrain"), line))
+    header_imports += [
+        f"from {m} import {', '.join(sorted(froms[m]))}"
+        for m in sorted(froms, key=lambda m: (m.startswith("minitrain"), m))
+    ]
     kind = "SOLUTIONS" if solved else "EXERCISES"
     modules = ", ".join(dict.fromkeys(e.module for e in exs))
     parts = [

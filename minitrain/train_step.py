@@ -1,0 +1,138 @@
+"""One training step: forward, backward, optimizer step, with gradient accumulation; its FLOPs.
+
+Used by notebooks/01_single_device_training.ipynb and the chapters that train after it.
+
+- Batch sizes: global batch = micro-batch x gradient-accumulation steps x data-parallel
+  ranks (GBS = MBS x GA x DP). A rank runs GA micro-batches of MBS sequences through
+  forward and backward, letting ``.grad`` sum, then steps once.
+- Cost: a dense transformer spends 6N + 12 L h s FLOPs per token in forward + backward
+  (Kaplan et al. 2020 section 2.1; Chowdhery et al. 2022 "PaLM", appendix B): 2 FLOPs
+  per multiply-add for each of the N matrix weights forward, twice that backward, plus
+  the attention scores and their weighted sum. Model FLOPs utilisation (MFU) is the
+  achieved FLOP rate over the hardware's peak.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from minitrain.model import GPTConfig, lm_loss
+
+
+def gradient_accumulation_steps(global_batch: int, micro_batch: int, dp: int = 1) -> int:
+    """GA such that global_batch = micro_batch x GA x dp; raises if it does not divide."""
+    if global_batch < 1 or micro_batch < 1 or dp < 1:
+        raise ValueError(
+            f"batch sizes must be positive: global_batch={global_batch}, "
+            f"micro_batch={micro_batch}, dp={dp}"
+        )
+    if global_batch % (micro_batch * dp):
+        raise ValueError(
+            f"global_batch={global_batch} is not a multiple of micro_batch={micro_batch} x dp={dp}"
+        )
+    return global_batch // (micro_batch * dp)
+
+
+def split_micro_batches(x: torch.Tensor, y: torch.Tensor, micro_batch_size: int) -> list:
+    """[(x_i, y_i), ...]: the rows of (x, y) in consecutive chunks of micro_batch_size."""
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
+    return list(zip(x.split(micro_batch_size), y.split(micro_batch_size)))
+
+
+def accumulate_gradients(model, micro_batches, loss_fn=None) -> float:
+    """Forward and backward over every micro-batch, summing gradients in ``.grad``.
+
+    Afterwards ``.grad`` equals the gradient of the mean loss over *all* tokens of all
+    micro-batches, as one big batch would give. Each micro-batch's loss is a mean over
+    its own n_i targets, so it is scaled by n_i / N (N = total targets) before backward:
+    sum_i (n_i / N) mean_i = mean over all N. With equal micro-batches that is 1/GA.
+    ``loss_fn(logits, targets)`` defaults to ``lm_loss``. Returns the mean loss (a float).
+    Does not zero ``.grad`` first: the caller decides (DDP's no_sync relies on that).
+    """
+    ### BEGIN SOLUTION
+    # HINT: count the targets first (targets.numel()), then backward each scaled loss
+    loss_fn = loss_fn or lm_loss
+    total = sum(y.numel() for _, y in micro_batches)
+    if total == 0:
+        raise ValueError("accumulate_gradients needs at least one non-empty micro-batch")
+    mean_loss = 0.0
+    for x, y in micro_batches:
+        loss = loss_fn(model(x), y) * (y.numel() / total)
+        loss.backward()  # adds into .grad; the graph of this micro-batch is freed now
+        mean_loss += loss.item()
+    return mean_loss
+    ### END SOLUTION
+
+
+@dataclass
+class StepStats:
+    loss: float
+    tokens: int
+    seconds: float
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds
+
+
+def train_step(
+    model, optimizer, x, y, micro_batch_size: int | None = None, loss_fn=None
+) -> StepStats:
+    """One optimizer step on this rank's batch (x, y), in micro-batches of micro_batch_size."""
+    start = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    micro = split_micro_batches(x, y, micro_batch_size or x.shape[0])
+    loss = accumulate_gradients(model, micro, loss_fn)
+    optimizer.step()
+    return StepStats(loss, x.numel(), time.perf_counter() - start)
+
+
+def train(
+    model,
+    optimizer,
+    data,
+    steps: int,
+    batch_size: int,
+    micro_batch_size: int | None = None,
+    first_step: int = 0,
+) -> list[float]:
+    """Train for ``steps`` steps on ``data.get_batch(step, batch_size)``; the losses."""
+    model.train()
+    device = next(model.parameters()).device
+    losses = []
+    for step in range(first_step, first_step + steps):
+        x, y = data.get_batch(step, batch_size, device=device)
+        losses.append(train_step(model, optimizer, x, y, micro_batch_size).loss)
+    return losses
+
+
+def matmul_params(config: GPTConfig) -> int:
+    """Weights that multiply activations: L (4h^2 + 2hf) in the blocks + v h in the head.
+
+    Embedding lookups, biases and LayerNorm gains cost no matmul FLOPs, so they are the
+    part of ``gpt_num_params`` that 6N leaves out.
+    """
+    h, f = config.d_model, config.d_ff
+    return config.n_layer * (4 * h * h + 2 * h * f) + config.vocab_size * h
+
+
+def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> int:
+    """Training FLOPs per token: 6 N + 12 L h s (N = ``matmul_params``).
+
+    Forward: 2 N for the weight matmuls, and per layer 2 s h for q k^T and 2 s h for
+    probs @ v (naive attention computes all s x s scores, masked ones included).
+    Backward does each matmul twice (gradient of input and of weight): 2x forward.
+    """
+    s = seq_len or config.seq_len
+    return 6 * matmul_params(config) + 12 * config.n_layer * config.d_model * s
+
+
+def mfu(tokens_per_second: float, flops_per_token: float, peak_flops: float) -> float:
+    """Model FLOPs utilisation: achieved model FLOP/s over the device's peak FLOP/s."""
+    if peak_flops <= 0:
+        raise ValueError(f"peak_flops must be positive, got {peak_flops}")
+    return tokens_per_second * flops_per_token / peak_flops
