@@ -1,0 +1,341 @@
+"""Training in low precision: loss scaling, fp32 master weights, FP8 scaling, bytes per parameter.
+
+Chapter 2, notebooks/02_floating_point_and_loss_scaling.ipynb (built on minitrain.precision).
+
+- `DynamicLossScaler` multiplies the loss by S so small fp16 gradients stay above fp16's
+  smallest subnormal, divides the gradients by S before the step, skips steps whose gradients
+  overflowed and adapts S (Micikevicius et al. 2018, "Mixed Precision Training", section 3.2;
+  the same rules as torch.amp.GradScaler, which the tests use as the oracle).
+- `MasterWeightOptimizer` keeps an fp32 copy of fp16/bf16 weights so that updates smaller than
+  half an ulp of the weight are not lost (Micikevicius et al. 2018, section 3.1).
+- FP8 per-tensor scaling by amax, current and delayed, and a simulated FP8 linear layer
+  (Micikevicius et al. 2022, "FP8 Formats for Deep Learning"; delayed scaling as in NVIDIA
+  Transformer Engine's DelayedScaling recipe).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+from torch import nn
+
+import minitrain.precision as _precision
+from minitrain.precision import FP8_E4M3, FP8_E5M2, FloatFormat
+
+
+class DynamicLossScaler:
+    """Dynamic loss scaling with `torch.amp.GradScaler`'s semantics.
+
+    Per iteration: `scaler.scale(loss).backward()`, optionally `scaler.unscale_(opt)` (e.g. to
+    clip), `scaler.step(opt)` (unscales if not yet done, skips the step if any gradient is inf
+    or NaN), then `scaler.update()`: back off (S *= backoff_factor) after an overflow, grow
+    (S *= growth_factor) after `growth_interval` consecutive clean steps. Like GradScaler the
+    scale is a float32 number, so the arithmetic rounds the same way.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ):
+        if not (0 < init_scale < float("inf")):
+            raise ValueError(f"init_scale must be a positive finite number, got {init_scale!r}")
+        if not growth_factor > 1.0:
+            raise ValueError(f"growth_factor must be > 1.0, got {growth_factor!r}")
+        if not 0.0 < backoff_factor < 1.0:
+            raise ValueError(f"backoff_factor must be in (0, 1), got {backoff_factor!r}")
+        if not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ValueError(f"growth_interval must be a positive int, got {growth_interval!r}")
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval = growth_interval
+        self._scale = torch.tensor(init_scale, dtype=torch.float32)
+        self._growth_tracker = 0  # consecutive clean steps since the last growth or backoff
+        self._found_inf: dict[int, bool] = {}  # id(optimizer) -> overflow seen, since update()
+        self._stepped: set[int] = set()
+
+    def get_scale(self) -> float:
+        return float(self._scale)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """loss * S: by the chain rule every gradient of the backward pass is S times larger."""
+        return loss * self._scale.to(loss.device)
+
+    def unscale_(self, optimizer) -> None:
+        """Divide the gradients of `optimizer`'s parameters by S in place (at most once per
+        iteration) and record whether any of them is inf or NaN."""
+        key = id(optimizer)
+        if key in self._found_inf:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
+        if key in self._stepped:
+            raise RuntimeError("unscale_() is being called after step().")
+        # 1/S in float64 then float32, as GradScaler does, so the two agree bit for bit.
+        inv_scale = self._scale.double().reciprocal().float()
+        found_inf = False
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    if p.grad.dtype == torch.float16:
+                        # Dividing in fp16 would flush exactly the values scaling saved.
+                        raise ValueError(
+                            "unscale_ got fp16 gradients: keep fp32 master gradients "
+                            "(see MasterWeightOptimizer)"
+                        )
+                    found_inf |= not bool(torch.isfinite(p.grad).all())
+                    p.grad.mul_(inv_scale.to(p.grad.device))
+        self._found_inf[key] = found_inf
+
+    def step(self, optimizer, *args, **kwargs):
+        """optimizer.step() unless this iteration's gradients overflowed (then skip it)."""
+        key = id(optimizer)
+        if key in self._stepped:
+            raise RuntimeError("step() has already been called since the last update().")
+        if key not in self._found_inf:
+            self.unscale_(optimizer)
+        self._stepped.add(key)
+        if self._found_inf[key]:
+            return None  # skipped: the weights keep their values, update() will back off
+        return optimizer.step(*args, **kwargs)
+
+    def update(self) -> None:
+        """Adapt S after the iteration (Micikevicius et al. 2018, section 3.2).
+
+        If any optimizer saw inf/NaN: S = S * backoff_factor and the growth tracker restarts
+        at 0. Otherwise the tracker counts one more clean step; when it reaches
+        growth_interval, S = S * growth_factor (only if that is finite) and it restarts at 0.
+        Keep S a float32 tensor: compute in float64 and round, `(S.double() * f).float()`.
+        """
+        if not self._found_inf:
+            raise RuntimeError("No inf checks were recorded prior to update(): call step() first.")
+        found_inf = any(self._found_inf.values())
+        ### BEGIN SOLUTION
+        # HINT: self._scale, self._growth_tracker, self.growth_factor, self.backoff_factor
+        if found_inf:
+            self._scale = (self._scale.double() * self.backoff_factor).float()
+            self._growth_tracker = 0
+        else:
+            self._growth_tracker += 1
+            if self._growth_tracker == self.growth_interval:
+                grown = (self._scale.double() * self.growth_factor).float()
+                if torch.isfinite(grown):
+                    self._scale = grown
+                self._growth_tracker = 0
+        ### END SOLUTION
+        self._found_inf.clear()
+        self._stepped.clear()
+
+
+def _accumulate_into_master(master: torch.Tensor, param: torch.Tensor) -> None:
+    # Called by autograd once param.grad is complete: move it into an fp32 buffer, so gradient
+    # accumulation over micro-batches happens in fp32 and the low-precision grad is freed.
+    grad = param.grad.to(torch.float32)
+    master.grad = grad if master.grad is None else master.grad.add_(grad)
+    param.grad = None
+
+
+class MasterWeightOptimizer:
+    """Mixed precision by hand: fp16/bf16 model, fp32 master weights and optimizer state.
+
+    Forward and backward run in the model's precision; each gradient is moved into an fp32
+    `.grad` on its master copy as soon as backward produces it; `step()` updates the masters
+    in fp32 with `optimizer_cls(masters, **kw)` and copies them back, rounded, to the model.
+    `param_groups` are the masters', so `DynamicLossScaler` (or torch's GradScaler) unscales
+    fp32 gradients.
+    """
+
+    def __init__(self, model: nn.Module, optimizer_cls, **kw):
+        self.model_params = [p for p in model.parameters() if p.requires_grad]
+        if not self.model_params:
+            raise ValueError(f"{type(model).__name__} has no trainable parameters")
+        self.master_params = [
+            p.detach().to(torch.float32).clone().requires_grad_(True) for p in self.model_params
+        ]
+        self.optimizer = optimizer_cls(self.master_params, **kw)
+        for p, m in zip(self.model_params, self.master_params):
+            p.register_post_accumulate_grad_hook(
+                lambda param, master=m: _accumulate_into_master(master, param)
+            )
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def zero_grad(self) -> None:
+        for p, m in zip(self.model_params, self.master_params):
+            p.grad, m.grad = None, None
+
+    def step(self) -> None:
+        """One optimizer step on the fp32 masters, then copy them back into the model.
+
+        The masters' `.grad` already hold the fp32 gradients. After `self.optimizer.step()`,
+        write each master into its model parameter (`copy_` rounds to the model's dtype, to
+        nearest even); the master keeps the digits the low-precision copy cannot hold.
+        """
+        ### BEGIN SOLUTION
+        # HINT: self.optimizer, self.model_params, self.master_params; use torch.no_grad()
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(self.model_params, self.master_params):
+                p.copy_(m)
+        ### END SOLUTION
+
+
+# ------------------------------------------------------------------ FP8 per-tensor scaling
+def amax_scale(amax: torch.Tensor, fmt: FloatFormat, margin: int = 0) -> torch.Tensor:
+    """scale = fmt.max / (amax * 2**margin): x * scale then spans the format's range without
+    overflowing (per-tensor scaling, Micikevicius et al. 2022). amax of 0 or inf/NaN gives scale 1."""
+    amax = torch.as_tensor(amax, dtype=torch.float32)
+    ok = torch.isfinite(amax) & (amax > 0)
+    return torch.where(ok, fmt.max / (amax.clamp(min=1e-30) * 2.0**margin), 1.0)
+
+
+def quantize(x: torch.Tensor, fmt: FloatFormat, scale) -> torch.Tensor:
+    """The values fmt stores for x * scale, saturating at +-max (the float8 casts of FP8
+    training recipes saturate, so a stale delayed scale cannot produce inf)."""
+    y = (x.float() * scale).clamp(-fmt.max, fmt.max)
+    return fmt.round(y)
+
+
+class DelayedScaling:
+    """Scale from the largest amax of the previous `history_len` steps (Transformer Engine's
+    delayed scaling): the cast needs no extra pass over the tensor before it, at the risk of
+    saturating when amax jumps. The first call, with an empty history, uses the current amax."""
+
+    def __init__(self, fmt: FloatFormat, history_len: int = 16, margin: int = 0):
+        if history_len < 1:
+            raise ValueError(f"history_len must be >= 1, got {history_len!r}")
+        self.fmt, self.margin = fmt, margin
+        self.history: deque[float] = deque(maxlen=history_len)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        amax = x.detach().abs().max().float()
+        past = max(self.history) if self.history else float(amax)
+        self.history.append(float(amax))
+        return amax_scale(torch.tensor(past), self.fmt, self.margin)
+
+
+class _QuantizedMatmul(torch.autograd.Function):
+    """y = x w^T with x, w cast to the forward format and dy to the backward format, each with
+    its own per-tensor scale; products accumulate in fp32, as tensor cores do."""
+
+    @staticmethod
+    def forward(ctx, x, weight, layer):
+        xq, sx = layer.cast(x, "input")
+        wq, sw = layer.cast(weight, "weight")
+        ctx.save_for_backward(xq, wq, sx, sw)  # the low-precision copies, not x and w
+        ctx.layer = layer
+        return (xq @ wq.t()) / (sx * sw)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        xq, wq, sx, sw = ctx.saved_tensors
+        gq, sg = ctx.layer.cast(grad_out, "grad")
+        grad_x = (gq @ wq) / (sg * sw)
+        grad_w = gq.reshape(-1, gq.shape[-1]).t() @ xq.reshape(-1, xq.shape[-1]) / (sg * sx)
+        return grad_x, grad_w, None
+
+
+class QuantizedLinear(nn.Linear):
+    """nn.Linear whose matmuls see inputs and weights in `forward_format` and output gradients
+    in `backward_format` (E4M3 / E5M2 by default: precision forward, range backward), simulated
+    with `FloatFormat.round`. The weight stays an fp32 parameter (the master copy).
+    `scaling`: "current" (amax of this tensor now), "delayed" (amax history) or None (scale 1,
+    enough for bf16's range)."""
+
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        bias=True,
+        forward_format=FP8_E4M3,
+        backward_format=FP8_E5M2,
+        scaling: str | None = "current",
+        history_len=16,
+    ):
+        super().__init__(in_features, out_features, bias=bias)
+        if scaling not in ("current", "delayed", None):
+            raise ValueError(f"scaling must be 'current', 'delayed' or None, got {scaling!r}")
+        self.formats = {"input": forward_format, "weight": forward_format, "grad": backward_format}
+        self.scaling = scaling
+        self.scalers = {
+            role: DelayedScaling(fmt, history_len) for role, fmt in self.formats.items()
+        }
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kw) -> QuantizedLinear:
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, **kw)
+        layer.load_state_dict(linear.state_dict())
+        return layer
+
+    def cast(self, t: torch.Tensor, role: str):
+        fmt = self.formats[role]
+        if self.scaling is None:
+            scale = torch.tensor(1.0)
+        elif self.scaling == "current":
+            scale = amax_scale(t.detach().abs().max(), fmt)
+        else:
+            scale = self.scalers[role](t)
+        return quantize(t, fmt, scale), scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _QuantizedMatmul.apply(x, self.weight, self)
+        return y if self.bias is None else y + self.bias  # the bias add stays in high precision
+
+
+def quantize_linears(model: nn.Module, exclude: tuple[str, ...] = (), **kw) -> nn.Module:
+    """Replace (in place) every nn.Linear of `model` whose name is not in `exclude` by a
+    QuantizedLinear with the same weights; `kw` go to QuantizedLinear. Returns the model."""
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if type(child) is nn.Linear and full not in exclude:
+                setattr(module, child_name, QuantizedLinear.from_linear(child, **kw))
+    return model
+
+
+# ------------------------------------------------------------------ bytes per parameter
+# Adam's training state per parameter, by component. "fp32" and "mixed" are the recipes of
+# minitrain.memory.estimate_training_memory (16 and 20 bytes). "bf16" keeps everything,
+# moments included, in bf16 with no master copy. "fp8" is "mixed" with the weights the matmuls
+# read cached in fp8; "fp8_lean" follows FP8-LM (Peng et al. 2023): fp8 weights and gradients,
+# fp16 master weights, an fp8 first and an fp16 second moment.
+RECIPES: dict[str, dict[str, int]] = {
+    "fp32": {"weights": 4, "gradients": 4, "optimizer": 8, "master": 0, "gradient_accumulation": 0},
+    "mixed": {
+        "weights": 2,
+        "gradients": 2,
+        "optimizer": 8,
+        "master": 4,
+        "gradient_accumulation": 4,
+    },
+    "bf16": {"weights": 2, "gradients": 2, "optimizer": 4, "master": 0, "gradient_accumulation": 0},
+    "fp8": {"weights": 1, "gradients": 2, "optimizer": 8, "master": 4, "gradient_accumulation": 4},
+    "fp8_lean": {
+        "weights": 1,
+        "gradients": 1,
+        "optimizer": 3,
+        "master": 2,
+        "gradient_accumulation": 0,
+    },
+}
+
+
+def bytes_per_parameter(recipe: str) -> dict[str, int]:
+    """Bytes of training state per parameter for `recipe`, by component, plus "total"."""
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown recipe {recipe!r}; choose one of {sorted(RECIPES)}")
+    parts = dict(RECIPES[recipe])
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+# Re-exported by minitrain.precision (see the end of that module): if this module was imported
+# first, precision skipped its import of these names to avoid a circular import.
+_precision.DynamicLossScaler = DynamicLossScaler
+_precision.MasterWeightOptimizer = MasterWeightOptimizer
