@@ -35,6 +35,8 @@ def estimate_training_memory(num_params: int, precision: str = "fp32") -> dict:
     update; in fp32 the gradients are that buffer, so it is 0 there. Master weights are
     0 in fp32 (the weights are already fp32). Bad input raises ValueError naming it.
     """
+    if isinstance(num_params, float) and num_params.is_integer():
+        num_params = int(num_params)  # 7e9 is a fine way to write seven billion
     ### BEGIN SOLUTION
     # HINT: validate the inputs, then multiply bytes-per-parameter by num_params for each part
     bytes_per_param = {

@@ -24,6 +24,7 @@ def test_estimate_reproduces_the_published_table(params):
     fp32, mixed = TABLE[params]
     assert estimate_training_memory(int(params), "fp32")["total"] == fp32 * GB
     assert estimate_training_memory(int(params), "mixed")["total"] == mixed * GB
+    assert estimate_training_memory(params, "mixed") == estimate_training_memory(int(params), "mixed")
 
 
 @pytest.mark.parametrize("precision", ["fp32", "mixed"])
@@ -39,6 +40,8 @@ def test_estimate_rejects_bad_input():
         estimate_training_memory(10, "fp16")
     with pytest.raises(ValueError, match="-5"):
         estimate_training_memory(-5)
+    with pytest.raises(ValueError, match="1.5"):
+        estimate_training_memory(1.5)
 
 
 def test_saved_bytes_of_simple_ops():
