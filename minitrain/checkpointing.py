@@ -1,0 +1,377 @@
+"""Activation checkpointing: forget activations in forward, recompute them in backward.
+
+Used by notebooks/03_activation_checkpointing.ipynb. Chen et al. 2016, "Training Deep
+Nets with Sublinear Memory Cost": keep only the inputs of some segments of the network,
+re-run each segment's forward when backward reaches it, and peak activation memory for
+L layers in k segments falls from O(L) to O(k + L/k), smallest near k = sqrt(L).
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+section 5: recompute only the attention core (scores, softmax, dropout, @v), the part
+that is large in memory (a s^2 b per layer) but cheap in FLOPs ("selective").
+
+- ``checkpoint(fn, *args)``: one segment, as a ``torch.autograd.Function``;
+- ``checkpoint_sequential(layers, segments, x)``: a chain split into segments;
+- ``set_checkpointing(model, policy, k)``: the policies on minitrain's GPT;
+- the formulas: bytes saved, recomputed FLOPs, peak memory, the best segment count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+
+import torch
+from torch import nn
+
+from minitrain.memory import block_activation_bytes, model_activation_bytes
+from minitrain.model import CausalSelfAttention
+
+POLICIES = ("none", "full", "every_k", "selective", "segments")
+
+
+# ----------------------------------------------------------------------------- RNG state
+def get_rng_state(devices=()) -> dict:
+    """Snapshot of the CPU generator and of each accelerator device's generator."""
+    state = {"cpu": torch.get_rng_state()}
+    for device in devices:  # device-agnostic: cuda, xpu, mps... all have get_rng_state
+        state[device] = torch.get_device_module(device).get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Put back the generators saved by ``get_rng_state``."""
+    for device, value in state.items():
+        if device == "cpu":
+            torch.set_rng_state(value)
+        else:
+            torch.get_device_module(device).set_rng_state(value, device)
+
+
+def _accelerators(tensors) -> list:
+    """The non-CPU devices the tensors live on: whose RNG the segment may draw from."""
+    return sorted({t.device for t in tensors if t.device.type != "cpu"}, key=str)
+
+
+# ----------------------------------------------------------------------------- one segment
+class CheckpointFunction(torch.autograd.Function):
+    """``fn(*args)`` that saves only its tensor inputs and recomputes the rest in backward.
+
+    ``apply(fn, preserve_rng_state, *args)``. The same design as torch's *reentrant*
+    checkpoint: backward re-runs ``fn`` with grad enabled and calls autograd on that
+    fresh graph from inside the outer backward.
+    """
+
+    @staticmethod
+    def forward(ctx, fn, preserve_rng_state, *args):
+        """Run ``fn(*args)`` without recording a graph; keep what backward needs to redo it.
+
+        Save in ``ctx``: fn; the RNG state *before* fn runs (``get_rng_state`` of the
+        CPU and of the devices the tensor arguments are on) if ``preserve_rng_state``;
+        the tensor arguments with ``ctx.save_for_backward`` (it takes tensors only, so
+        remember where they go among the non-tensor ones). Return fn's output(s).
+        """
+        ### BEGIN SOLUTION
+        # HINT: autograd already runs forward under no_grad, so fn builds no graph here
+        # HINT: ctx.tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+        ctx.fn = fn
+        ctx.tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+        ctx.others = [None if torch.is_tensor(a) else a for a in args]
+        tensors = [args[i] for i in ctx.tensor_positions]
+        # The state *before* fn draws its random numbers: backward replays from here.
+        ctx.rng_state = get_rng_state(_accelerators(tensors)) if preserve_rng_state else None
+        ctx.save_for_backward(*tensors)  # the only memory this segment keeps
+        ctx.set_materialize_grads(False)  # outputs nobody used get None, not zeros
+        with torch.no_grad():
+            return fn(*args)
+        ### END SOLUTION
+
+    @staticmethod
+    def backward(ctx, *grad_outputs):
+        """Recompute fn's forward with grad enabled, then backpropagate ``grad_outputs``.
+
+        1. Rebuild the arguments: each saved tensor ``.detach()``ed (a fresh leaf, so
+           this graph stops here) with ``requires_grad`` set from ``ctx.needs_input_grad``.
+        2. Remember the current RNG state, restore the forward's, re-run fn under
+           ``torch.enable_grad()``, and restore the current state again (in ``finally``):
+           dropout draws the same mask as in forward, and the caller's random stream
+           continues as if no recomputation had happened.
+        3. ``torch.autograd.backward`` the outputs that require grad with their incoming
+           gradients (skip None ones); parameters used inside fn accumulate ``.grad``.
+        Return one gradient per forward input: None for fn and preserve_rng_state, the
+        leaves' ``.grad`` for tensors, None for non-tensor arguments.
+        """
+        ### BEGIN SOLUTION
+        # HINT: needs_input_grad has an entry for fn and preserve_rng_state first (offset 2)
+        args = list(ctx.others)
+        for i, saved in zip(ctx.tensor_positions, ctx.saved_tensors):
+            args[i] = saved.detach().requires_grad_(ctx.needs_input_grad[2 + i])
+        if ctx.rng_state is not None:
+            current = get_rng_state([d for d in ctx.rng_state if isinstance(d, torch.device)])
+            set_rng_state(ctx.rng_state)
+        try:
+            with torch.enable_grad():
+                outputs = ctx.fn(*args)
+        finally:
+            if ctx.rng_state is not None:
+                set_rng_state(current)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        pairs = [
+            (out, grad)
+            for out, grad in zip(outputs, grad_outputs)
+            if torch.is_tensor(out) and out.requires_grad and grad is not None
+        ]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        input_grads = [a.grad if torch.is_tensor(a) else None for a in args]
+        return (None, None, *input_grads)
+        ### END SOLUTION
+
+
+def checkpoint(fn, *args, preserve_rng_state: bool = True):
+    """``fn(*args)``, keeping only the tensor arguments for backward (Chen et al. 2016).
+
+    Gradients equal those of calling ``fn(*args)`` directly, dropout included (the RNG is
+    replayed). As with torch's reentrant checkpoint, at least one tensor argument must
+    require grad, or parameters inside ``fn`` get no gradient.
+    """
+    if not callable(fn):
+        raise TypeError(f"checkpoint needs a callable first argument, got {fn!r}")
+    tensors = [a for a in args if torch.is_tensor(a)]
+    if torch.is_grad_enabled() and not any(t.requires_grad for t in tensors):
+        warnings.warn(
+            "checkpoint: no tensor argument requires grad, so nothing inside "
+            f"{getattr(fn, '__name__', fn)!r} will get a gradient",
+            stacklevel=2,
+        )
+    return CheckpointFunction.apply(_with_autocast(fn, tensors), preserve_rng_state, *args)
+
+
+def _with_autocast(fn, tensors):
+    """fn, re-entering the autocast (chapter 2) state of this moment when recomputed."""
+    device_types = {"cpu", *(d.type for d in _accelerators(tensors))}
+    active = [
+        (t, torch.get_autocast_dtype(t))
+        for t in sorted(device_types)
+        if torch.is_autocast_enabled(t)
+    ]
+    if not active:
+        return fn
+
+    def run(*args):
+        with contextlib.ExitStack() as stack:
+            for device_type, dtype in active:
+                stack.enter_context(torch.autocast(device_type, dtype=dtype))
+            return fn(*args)
+
+    return run
+
+
+# ----------------------------------------------------------------------------- a chain
+def segment_sizes(num_layers: int, segments: int) -> list[int]:
+    """Sizes as equal as possible; the remainder goes to the *last* segments.
+
+    The last segment is the one held in full at the end of forward, so making it a
+    largest one makes the peak exactly ``(k-1) c + ceil(L/k) A`` (see ``sequential_peak_bytes``).
+    """
+    if not isinstance(segments, int) or not 1 <= segments <= num_layers:
+        raise ValueError(
+            f"segments must be an int in [1, {num_layers}] for {num_layers} "
+            f"layers, got {segments!r}"
+        )
+    base, extra = divmod(num_layers, segments)
+    return [base + (i >= segments - extra) for i in range(segments)]
+
+
+def _run_all(layers):
+    def run(x):
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    return run
+
+
+def checkpoint_sequential(layers, segments: int, x: torch.Tensor) -> torch.Tensor:
+    """Run ``layers`` in order on x, checkpointing all segments but the last.
+
+    The last segment is not checkpointed (as in torch's ``checkpoint_sequential``):
+    backward needs its activations first, so recomputing them would buy nothing.
+    """
+    layers = list(layers)
+    start = 0
+    for i, size in enumerate(segment_sizes(len(layers), segments)):
+        run = _run_all(layers[start : start + size])
+        x = run(x) if i == segments - 1 else checkpoint(run, x)
+        start += size
+    return x
+
+
+# ----------------------------------------------------------------------------- policies on the GPT
+class _CheckpointedAttention:
+    """An ``attention_fn`` recomputing the attention core in backward (selective)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, q, k, v, causal=True, dropout_p=0.0, training=False):
+        return checkpoint(self.inner, q, k, v, causal, dropout_p, training)
+
+
+def _forward_in_groups(model, sizes, last_checkpointed):
+    blocks = list(model.blocks)
+
+    def forward(idx):
+        x, start = model.embed(idx), 0
+        for i, size in enumerate(sizes):
+            run = _run_all(blocks[start : start + size])
+            plain = i == len(sizes) - 1 and not last_checkpointed
+            x = run(x) if plain else checkpoint(run, x)
+            start += size
+        return model.logits(x)
+
+    return forward
+
+
+def set_checkpointing(model: nn.Module, policy: str = "full", k: int = 1) -> nn.Module:
+    """Apply a checkpointing policy to a GPT in place (replacing any previous one).
+
+    - "none": store everything;
+    - "full": checkpoint every block (Korthikanti et al.'s full recomputation);
+    - "every_k": one checkpoint per group of ``k`` consecutive blocks, all groups
+      (Megatron-LM's "uniform" method); k=1 is "full";
+    - "segments": ``checkpoint_sequential`` of the blocks in ``k`` segments;
+    - "selective": recompute only the attention core of every block.
+    The model's parameters and ``state_dict`` are unchanged; ``set_checkpointing(model,
+    "none")`` undoes it.
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if not all(hasattr(model, n) for n in ("blocks", "embed", "logits")):
+        raise TypeError(f"set_checkpointing needs minitrain's GPT, got {type(model).__name__}")
+    model.__dict__.pop("forward", None)  # an instance attribute shadows GPT.forward
+    for attn in model.modules():
+        if isinstance(attn, CausalSelfAttention) and isinstance(
+            attn.attention_fn, _CheckpointedAttention
+        ):
+            attn.attention_fn = attn.attention_fn.inner
+    num_layers = len(model.blocks)
+    if policy in ("every_k", "segments") and (not isinstance(k, int) or k < 1):
+        raise ValueError(f"policy {policy!r} needs a positive int k, got {k!r}")
+    if policy in ("full", "every_k"):
+        size = 1 if policy == "full" else k
+        sizes = [min(size, num_layers - s) for s in range(0, num_layers, size)]
+        model.forward = _forward_in_groups(model, sizes, last_checkpointed=True)
+    elif policy == "segments":
+        sizes = segment_sizes(num_layers, k)
+        model.forward = _forward_in_groups(model, sizes, last_checkpointed=False)
+    elif policy == "selective":
+        for attn in model.modules():
+            if isinstance(attn, CausalSelfAttention):
+                attn.attention_fn = _CheckpointedAttention(attn.attention_fn)
+    return model
+
+
+# ----------------------------------------------------------------------------- formulas
+def _policy_check(policy, k, num_layers):
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if policy in ("every_k", "segments") and (not isinstance(k, int) or k < 1):
+        raise ValueError(f"policy {policy!r} needs a positive int k, got {k!r}")
+    if policy == "segments":
+        segment_sizes(num_layers, k)  # k <= L too
+
+
+def policy_saved_bytes(
+    config, batch: int, policy: str, k: int = 1, seq_len: int | None = None
+) -> int:
+    """Bytes the GPT's loss saves for backward under ``policy`` (fp32), from chapter 1's formula.
+
+    With A = ``block_activation_bytes`` and c = 4 b s h (one block input): "full" and
+    "every_k" replace the L A of the blocks by one c per checkpointed group; "segments"
+    keeps (k-1) inputs plus the last segment in full; "selective" drops, per block, the
+    attention core's s x s tensors: a s^2 b 4 (softmax) + a s^2 b 5 (dropout mask and output).
+    """
+    s, L = seq_len or config.seq_len, config.n_layer
+    _policy_check(policy, k, L)
+    b, h, a = batch, config.d_model, config.n_head
+    everything = model_activation_bytes(config, b, s)
+    A = block_activation_bytes(b, s, h, a, config.d_ff, config.dropout)
+    c = 4 * b * s * h
+    if policy == "none":
+        return everything
+    if policy in ("full", "every_k"):
+        return everything - L * A + math.ceil(L / (1 if policy == "full" else k)) * c
+    if policy == "segments":
+        return everything - (L - segment_sizes(L, k)[-1]) * A + (k - 1) * c
+    core = a * s * s * b * (4 + (5 if config.dropout > 0 else 0))
+    return everything - L * core
+
+
+def policy_extra_flops(
+    config, batch: int, policy: str, k: int = 1, seq_len: int | None = None
+) -> int:
+    """Matmul FLOPs recomputed in backward under ``policy`` (what FlopCounterMode counts).
+
+    One block's forward: 2 b s (4h^2 + 2hf) for its Linears + 4 b s^2 h for q k^T and
+    probs @ v. Full recomputation redoes every block's forward (about a third more than
+    the 3x-forward step); selective only the 4 b s^2 h of each block.
+    """
+    s, L = seq_len or config.seq_len, config.n_layer
+    _policy_check(policy, k, L)
+    b, h, f = batch, config.d_model, config.d_ff
+    attention_core = 4 * b * s * s * h
+    block = 2 * b * s * (4 * h * h + 2 * h * f) + attention_core
+    recomputed_blocks = {
+        "none": 0,
+        "full": L,
+        "every_k": L,
+        "selective": 0,
+        "segments": L - segment_sizes(L, k)[-1] if policy == "segments" else 0,
+    }
+    return recomputed_blocks[policy] * block + (L * attention_core if policy == "selective" else 0)
+
+
+def sequential_peak_bytes(
+    num_layers: int, segments: int, layer_bytes: int, input_bytes: int
+) -> int:
+    """Peak activation bytes of ``checkpoint_sequential``: (k - 1) c + ceil(L / k) A.
+
+    Chen et al. 2016, section 4: at the end of forward k-1 segment inputs (c bytes each)
+    are kept plus the whole last segment (ceil(L/k) layers of A bytes); every later moment
+    of backward holds less (one recomputed segment, fewer inputs). Add the bytes saved
+    outside the chain (embedding, head, loss) for a whole model.
+    """
+    segment_sizes(num_layers, segments)  # validates
+    return (segments - 1) * input_bytes + math.ceil(num_layers / segments) * layer_bytes
+
+
+def choose_segments(
+    num_layers: int, layer_bytes: int, input_bytes: int, budget_bytes: int | None = None
+) -> int:
+    """The segment count k in [1, L] for ``checkpoint_sequential`` of L layers.
+
+    Predicted peak: peak(k) = (k - 1) * input_bytes + ceil(L / k) * layer_bytes.
+    Without a budget: the k with the smallest peak (the smallest such k if several tie:
+    fewer segments, less recomputation). With ``budget_bytes``: the smallest k whose peak
+    fits in the budget (every k > 1 recomputes all but the last segment, so the fewest
+    segments cost least); raise ValueError naming the budget if no k fits.
+    For A = c the minimum is near k = sqrt(L) (Chen et al. 2016); in general sqrt(L A / c).
+    """
+    ### BEGIN SOLUTION
+    # HINT: try every k from 1 to num_layers; math.ceil(num_layers / k) layers in the last one
+    if not isinstance(num_layers, int) or num_layers < 1:
+        raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
+    peaks = {
+        k: (k - 1) * input_bytes + math.ceil(num_layers / k) * layer_bytes
+        for k in range(1, num_layers + 1)
+    }
+    if budget_bytes is None:
+        return min(peaks, key=lambda k: (peaks[k], k))
+    fitting = [k for k, peak in peaks.items() if peak <= budget_bytes]
+    if not fitting:
+        raise ValueError(
+            f"no segment count fits budget_bytes={budget_bytes}: the smallest "
+            f"predicted peak is {min(peaks.values())} bytes"
+        )
+    return min(fitting)
+    ### END SOLUTION

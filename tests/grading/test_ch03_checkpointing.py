@@ -1,0 +1,118 @@
+"""Graded tests of chapter 3: your checkpoint against plain autograd, your segment choice
+against a brute-force search over the peak-memory formula."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from minitrain import checkpointing
+from minitrain.memory import saved_activation_bytes
+
+
+class TwoInOut(nn.Module):
+    """Two tensor inputs, a number, dropout, two outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x, y, scale):
+        h = torch.tanh(self.a(x)) * scale + self.b(y)
+        keep = torch.rand_like(h) >= 0.5  # dropout: backward must see the same mask
+        h = h * keep * 2.0
+        return h.relu(), (h * y).sum(-1)
+
+
+def _inputs(y_requires_grad=True):
+    torch.manual_seed(0)
+    module = TwoInOut()
+    x = torch.randn(3, 6, requires_grad=True)
+    y = torch.randn(3, 6, requires_grad=y_requires_grad)
+    return module, x, y
+
+
+def _apply(fn, *args):
+    return checkpointing.CheckpointFunction.apply(fn, True, *args)
+
+
+@pytest.mark.exercise("CheckpointFunction.forward", points=2)
+def test_forward_returns_fn_output_and_keeps_only_inputs():
+    module, x, y = _inputs()
+    torch.manual_seed(1)
+    want = module(x, y, 2.0)
+    torch.manual_seed(1)
+    got = _apply(module, x, y, 2.0)
+    assert isinstance(got, tuple) and len(got) == 2, "forward must return fn's two outputs"
+    for g, w in zip(got, want):
+        assert torch.equal(g, w), "forward's output differs from calling fn directly"
+    assert got[0].requires_grad, "the output of CheckpointFunction.apply must require grad"
+    saved = saved_activation_bytes(lambda: _apply(module, x, y, 2.0), exclude=[module])
+    assert saved == x.nbytes + y.nbytes, (
+        f"forward saved {saved} bytes for backward; it should keep only its two tensor "
+        f"inputs, {x.nbytes + y.nbytes} bytes (is fn running with grad enabled?)"
+    )
+
+
+def _loss_and_grads(use_checkpoint, y_requires_grad):
+    module, x, y = _inputs(y_requires_grad)
+    torch.manual_seed(42)
+    out, s = _apply(module, x, y, 3.0) if use_checkpoint else module(x, y, 3.0)
+    (out.square().sum() + s.sum()).backward()
+    after = torch.rand(4)
+    grads = {"x": x.grad, "y": y.grad}
+    grads.update({n: p.grad for n, p in module.named_parameters()})
+    return grads, after
+
+
+@pytest.mark.exercise("CheckpointFunction.backward", points=2)
+@pytest.mark.parametrize("y_requires_grad", [True, False])
+def test_backward_gives_the_gradients_of_plain_autograd(y_requires_grad):
+    want, _ = _loss_and_grads(False, y_requires_grad)
+    got, _ = _loss_and_grads(True, y_requires_grad)
+    for name, w in want.items():
+        if w is None:
+            assert got[name] is None, f"{name} does not require grad, yet got a gradient"
+            continue
+        assert got[name] is not None, f"no gradient reached {name}"
+        assert torch.allclose(got[name], w, atol=1e-6), (
+            f"gradient of {name} differs from the un-checkpointed run by "
+            f"{(got[name] - w).abs().max().item():.3g}: is the dropout mask the same in "
+            "the recomputation (RNG state restored)?"
+        )
+
+
+@pytest.mark.exercise("CheckpointFunction.backward", points=2)
+def test_backward_leaves_the_random_stream_as_it_found_it():
+    _, want = _loss_and_grads(False, True)
+    _, got = _loss_and_grads(True, True)
+    assert torch.equal(got, want), (
+        "after backward, torch.rand gives different numbers than without checkpointing: "
+        "put the RNG state back after recomputing"
+    )
+
+
+def _brute_force(L, A, c, budget=None):
+    peaks = [(k - 1) * c + math.ceil(L / k) * A for k in range(1, L + 1)]
+    if budget is None:
+        return 1 + peaks.index(min(peaks))
+    return next((k for k, p in enumerate(peaks, start=1) if p <= budget), None)
+
+
+@pytest.mark.exercise("choose_segments", points=1)
+@pytest.mark.parametrize("L,A,c", [(64, 10, 10), (100, 4, 4), (16, 20, 1), (30, 3, 7), (1, 5, 5)])
+def test_choose_segments_minimises_the_peak(L, A, c):
+    got = checkpointing.choose_segments(L, A, c)
+    want = _brute_force(L, A, c)
+    assert got == want, f"choose_segments({L}, {A}, {c}) returned {got}, the best is {want}"
+
+
+@pytest.mark.exercise("choose_segments", points=2)
+def test_choose_segments_with_a_budget():
+    for budget in (640, 330, 329, 200, 160, 150):
+        got = checkpointing.choose_segments(64, 10, 10, budget_bytes=budget)
+        want = _brute_force(64, 10, 10, budget)
+        assert got == want, f"with budget_bytes={budget} the fewest segments that fit are {want}"
+    with pytest.raises(ValueError):
+        checkpointing.choose_segments(64, 10, 10, budget_bytes=100)  # nothing fits
