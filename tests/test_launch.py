@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -151,18 +152,18 @@ def test_prints_are_relayed_and_traces_returned(capsys):
     assert all(evs[0].duration >= 0.01 for evs in out.traces)
 
 
-def test_fifty_launches_leave_no_process_port_or_file_behind():
+def test_fifty_launches_leave_no_process_port_or_file_behind(tmp_path, monkeypatch):
     launch(_rank_and_sum, 2, 0)  # start the forkserver first
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where launch keeps its files
     me = psutil.Process()
     fds_before = me.num_fds()
-    tmp_before = {p for p in os.listdir("/tmp") if p.startswith("minitrain-launch-")}
     for i in range(50):
         assert launch(_rank_and_sum, 2, i, print_output=False)[1][0] == i + 1
     assert _rank_processes() == []
     assert me.num_fds() <= fds_before + 2
     listening = [c for c in me.net_connections() if c.status == psutil.CONN_LISTEN]
     assert listening == []
-    assert {p for p in os.listdir("/tmp") if p.startswith("minitrain-launch-")} == tmp_before
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_lambdas_and_tensor_results():
