@@ -135,7 +135,8 @@ def plot_timeline(traces: list[list[Event]], ax=None, title: str | None = None):
         ax.set_title(title)
     ax.legend(
         handles=[Patch(color=COLORS[k], label=k) for k in KINDS if k in kinds_seen],
-        loc="upper right",
+        loc="upper left",
+        bbox_to_anchor=(1.0, 1.0),  # outside the axes, never over the bars
         fontsize="small",
     )
     return ax

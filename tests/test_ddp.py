@@ -1,0 +1,261 @@
+"""minitrain.ddp.DataParallel against one process on the full batch and against torch's
+DistributedDataParallel (the oracle), world 2 and 4: tiny GPT, tied weights, frozen and
+unused parameters, every variant, both communication back-ends, no_sync."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minitrain.ddp import VARIANTS, assign_buckets
+from minitrain.launch import LaunchError, launch
+
+GLOBAL_BATCH, STEPS, SEQ = 8, 5, 8
+
+
+def _gpt(tie=False, seed=0):
+    from minitrain.model import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    return GPT(
+        GPTConfig(vocab_size=32, seq_len=SEQ, n_layer=2, n_head=2, d_model=16, tie_weights=tie)
+    )
+
+
+class _Frozen(nn.Module):
+    """GPT whose token embedding and first block are frozen."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        self.gpt = _gpt(seed=seed)
+        for p in list(self.gpt.parameters())[:1] + list(self.gpt.blocks[0].parameters()):
+            p.requires_grad_(False)
+
+    def forward(self, x):
+        return self.gpt(x)
+
+
+class _Branchy(nn.Module):
+    """Sequences starting with an even token go through ``even``, the others through ``odd``:
+    on a given rank and step one head may get no gradient at all; ``never`` is never used."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(32, 16)
+        self.even, self.odd, self.never = nn.Linear(16, 32), nn.Linear(16, 32), nn.Linear(16, 32)
+
+    def forward(self, x):
+        h = self.embed(x)
+        out = torch.zeros(*x.shape, 32)
+        even = x[:, 0] % 2 == 0
+        if even.any():
+            out[even] = self.even(h[even])
+        if (~even).any():
+            out[~even] = self.odd(h[~even])
+        return out
+
+
+MODELS = {
+    "gpt": lambda seed: _gpt(seed=seed),
+    "tied": lambda seed: _gpt(tie=True, seed=seed),
+    "frozen": lambda seed: _Frozen(seed),
+    "unused": lambda seed: _Branchy(seed),
+}
+
+
+def _batch(step):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, 32, (GLOBAL_BATCH, SEQ), generator=g)
+    y = torch.randint(0, 32, (GLOBAL_BATCH, SEQ), generator=g)
+    perm = torch.randperm(GLOBAL_BATCH, generator=g)  # shuffled before sharding
+    return x[perm], y[perm]
+
+
+def _loss(model, x, y):
+    from minitrain.model import lm_loss
+
+    return lm_loss(model(x), y)
+
+
+def _train_all(cases, accumulate=False):
+    """On each rank: for every (model, DataParallel kwargs) case train ours, torch DDP and a
+    single process on the full batch; return the largest parameter differences."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from minitrain.ddp import DataParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shard = GLOBAL_BATCH // world
+    out = {}
+    for name, kwargs in cases:
+        make = MODELS[name]
+        reference = make(100)  # rank 0's initialisation: what the broadcast must give everyone
+        ours = DataParallel(make(100 + rank), **kwargs)  # other ranks start elsewhere
+        theirs = DDP(make(100 + rank), find_unused_parameters=(name == "unused"))
+        models = [reference, ours, theirs]
+        opts = [
+            torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+            for m in models
+        ]
+        for step in range(STEPS):
+            x, y = _batch(step)
+            xs, ys = x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard]
+            for m, opt in zip(models, opts):
+                opt.zero_grad(set_to_none=(step % 2 == 0))
+                if m is reference:
+                    _loss(m, x, y).backward()
+                elif m is ours and accumulate:  # two micro-batches, communication once
+                    half = shard // 2
+                    with m.no_sync():
+                        (_loss(m, xs[:half], ys[:half]) / 2).backward()
+                    (_loss(m, xs[half:], ys[half:]) / 2).backward()
+                else:
+                    _loss(m, xs, ys).backward()
+                m_finish = getattr(m, "finish_gradient_synchronization", None)
+                if m_finish:
+                    m_finish()  # already done by the end-of-backward callback: a no-op
+                opt.step()
+        ref = dict(reference.named_parameters())
+        diff_single = max(
+            (p - ref[n.removeprefix("module.")]).abs().max().item()
+            for n, p in ours.named_parameters()
+        )
+        diff_torch = max(
+            (p - q).abs().max().item() for p, q in zip(ours.parameters(), theirs.parameters())
+        )
+        moved = max(
+            (p - q).abs().max().item() for p, q in zip(ref.values(), make(100).parameters())
+        )
+        out[(name, str(kwargs))] = (diff_single, diff_torch, moved)
+    return out
+
+
+CASES = [("gpt", v) for v in VARIANTS.values()] + [
+    ("gpt", dict(bucket_cap_mb=0.002)),  # a few parameters per bucket
+    ("gpt", dict(bucket_cap_mb=0.002, communication="ring")),
+    ("tied", dict(bucket_cap_mb=0.002)),
+    ("frozen", dict(bucket_cap_mb=0.002)),
+    ("unused", dict(bucket_cap_mb=0.0)),
+    ("unused", dict(bucket_cap_mb=0.0, communication="ring")),
+]
+
+
+def _assert_close(results):
+    for rank, res in enumerate(results):
+        for case, (single, oracle, moved) in res.items():
+            assert moved > 1e-3, f"{case}: the parameters did not train"
+            assert single < 1e-5, f"rank {rank} {case}: differs from one process by {single:.3g}"
+            assert oracle < 1e-5, f"rank {rank} {case}: differs from torch DDP by {oracle:.3g}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_matches_single_process_and_torch_ddp(world):
+    # every case on 2 ranks; on 4 ranks (4 processes on few cores) the ones that differ most
+    cases = (
+        CASES
+        if world == 2
+        else [c for c in CASES if c[1].get("bucket_cap_mb") == 0.002 or c[0] == "unused"][:5]
+    )
+    _assert_close(launch(_train_all, world, cases, timeout=120))
+
+
+def test_no_sync_accumulates_then_averages():
+    _assert_close(
+        launch(
+            _train_all,
+            2,
+            [("gpt", dict(bucket_cap_mb=0.002)), ("tied", dict(bucket_cap_mb=math.inf))],
+            accumulate=True,
+            timeout=120,
+        )
+    )
+
+
+def _traced_step(kwargs):
+    from minitrain.ddp import DataParallel
+    from minitrain.model import lm_loss
+
+    model = DataParallel(_gpt(), **kwargs)
+    x, y = _batch(0)
+    lm_loss(model(x), y).backward()
+    return len(model.buckets)
+
+
+def test_traces_show_backward_and_each_bucket():
+    results = launch(_traced_step, 2, dict(bucket_cap_mb=0.002), timeout=60)
+    n_buckets = results[0]
+    assert n_buckets > 3
+    for events in results.traces:
+        names = [e.name for e in events]
+        assert names.count("backward") == 1
+        comm = [e for e in events if e.kind == "communication"]
+        assert sorted(e.name for e in comm) == sorted(
+            f"all-reduce bucket {b}" for b in range(n_buckets)
+        )
+        backward = next(e for e in events if e.name == "backward")
+        assert all(e.end >= e.start for e in comm)
+        # overlapped: the first bucket starts before backward ends
+        assert min(e.start for e in comm) < backward.end
+
+
+def _no_grad_on_one_rank():
+    from minitrain.ddp import DataParallel
+
+    model = DataParallel(nn.Linear(4, 2), bucket_cap_mb=0.0)
+    if dist.get_rank() == 0:
+        model(torch.ones(3, 4)).sum().backward()
+    else:
+        model(torch.ones(3, 4))  # e.g. a skipped micro-batch: no backward at all
+        model.finish_gradient_synchronization()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_rank_without_backward_does_not_hang():
+    g0, g1 = launch(_no_grad_on_one_rank, 2, timeout=60)
+    # rank 0's gradient (weight: 3 per entry, bias: 3) averaged with rank 1's zeros
+    assert torch.equal(g0[0], torch.full((2, 4), 1.5)) and torch.equal(g0[1], torch.full((2,), 1.5))
+    assert all(torch.equal(a, b) for a, b in zip(g0, g1))
+
+
+def _mismatched():
+    from minitrain.ddp import DataParallel
+
+    DataParallel(nn.Linear(4, 2 + dist.get_rank()))
+
+
+def test_different_models_raise_instead_of_hanging():
+    with pytest.raises(LaunchError, match="different models"):
+        launch(_mismatched, 2, timeout=60)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="-1"):
+        from minitrain.ddp import DataParallel
+
+        DataParallel(nn.Linear(2, 2), bucket_cap_mb=-1)
+
+
+def test_assign_buckets():
+    p = [torch.empty(n) for n in (1, 1, 1)]  # 4 bytes each
+    assert assign_buckets(p, 8) == [[2, 1], [0]]
+    assert assign_buckets(p, 0) == [[2], [1], [0]]
+    assert assign_buckets(p, math.inf) == [[2, 1, 0]]
+    q = [torch.empty(10), torch.empty(1), torch.empty(1, dtype=torch.float16), torch.empty(3)]
+    # reversed: 12 B; then an fp16 tensor starts a new bucket; then 4 B + 40 B ≥ 16 B closes
+    assert assign_buckets(q, 16) == [[3], [2], [1, 0]]
+    assert assign_buckets([], 8) == []
+
+
+def test_variants_are_the_four_of_the_notebook():
+    assert len(VARIANTS) == 4
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    params = list(model.parameters())
+    assert [len(assign_buckets(params, v["bucket_cap_mb"] * 2**20)) for v in VARIANTS.values()] == [
+        4,
+        1,
+        4,
+        1,
+    ]
