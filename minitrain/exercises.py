@@ -43,7 +43,7 @@ CHAPTERS: dict[int, tuple[str, list[str]]] = {
     2: ("ex02_precision", ["minitrain.precision", "minitrain.loss_scaling"]),
     3: ("ex03_checkpointing", ["minitrain.checkpointing"]),
     4: ("ex04_collectives_and_ddp", ["minitrain.collectives", "minitrain.ddp"]),
-    5: ("ex05_zero", ["minitrain.zero"]),
+    5: ("ex05_zero", ["minitrain.zero_optimizer", "minitrain.zero"]),
     6: ("ex06_tensor_parallel", ["minitrain.tensor_parallel"]),
     7: ("ex07_pipeline", ["minitrain.pipeline"]),
     8: ("ex08_moe", ["minitrain.moe"]),
@@ -166,8 +166,9 @@ def render(chapter: int, solved: bool) -> str | None:
         used = set().union(*(e.names_used for e in exs if e.module == mod_name))
         if used & defined - own:
             froms.setdefault(mod_name, set()).update(used & defined - own)
-    classes = {e.class_name for e in exs if e.class_name}  # defined below, as stubs
-    froms = {m: names - classes for m, names in froms.items() if names - classes}
+    # the exercises' own classes and functions are defined below (as stubs): don't import them
+    below = {e.class_name or e.name for e in exs}
+    froms = {m: names - below for m, names in froms.items() if names - below}
     # standard library and third party first, then minitrain; each group sorted
     header_imports = sorted(plain, key=lambda line: (line.startswith("import minitrain"), line))
     header_imports += [

@@ -1,0 +1,144 @@
+"""Benchmark: training-step time of ZeRO stages 1-3 (and offload) relative to data parallelism.
+
+    python -m minitrain.bench zero [--quick] [--world 2] [--steps 10]
+
+Trains the course's GPT with AdamW under ``minitrain.ddp.DataParallel`` (the reference: plain
+DP, bucketed all-reduce overlapped with backward) and under ``minitrain.zero.ZeroDataParallel``
+stages 1, 2, 3 and stages 2 and 3 with CPU offload, gloo, world 2, all in one launch. The
+variants take turns step by step, so a slow moment of the machine hits them all alike; a
+step's time is the slowest rank's; medians and ratios to DP are printed, with the bytes each
+rank sent per step next to the ZeRO paper's volume (2Ψ or 3Ψ times (N-1)/N).
+
+What to expect on a CPU: ZeRO trades memory for time. Stage 3 sends 1.5× DP's bytes and
+launches two gathers per block per step, so it is slower; offload on a CPU-only machine moves
+state from RAM to RAM, so it only adds copies (on a GPU it frees device memory for the price
+of PCIe transfers). ``measure`` is also what notebook 05 calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from minitrain.launch import launch
+
+DP = "DP (minitrain.ddp)"
+VARIANTS = {
+    DP: None,
+    "ZeRO-1": dict(stage=1),
+    "ZeRO-2": dict(stage=2),
+    "ZeRO-3": dict(stage=3),
+    "ZeRO-2 + offload": dict(stage=2, offload=True),
+    "ZeRO-3 + offload": dict(stage=3, offload=True),
+}
+MODEL = dict(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=256)  # 3.3 M parameters
+QUICK_MODEL = dict(vocab_size=128, seq_len=32, n_layer=2, n_head=4, d_model=128)
+
+
+def _rank_measure(variants, config, steps, batch, bucket_mb):
+    from minitrain import zero
+    from minitrain.ddp import DataParallel
+    from minitrain.model import GPT, GPTConfig, lm_loss
+
+    runners = {}
+    for name, kw in variants.items():
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**config))
+        if kw is None:
+            dp = DataParallel(model, bucket_cap_mb=bucket_mb)
+            opt = torch.optim.AdamW(dp.parameters(), lr=1e-4)
+            runners[name] = (dp, opt.step, opt.zero_grad)
+        else:
+            z = zero.ZeroDataParallel(
+                model, torch.optim.AdamW, group=None, lr=1e-4, bucket_cap_mb=bucket_mb, **kw
+            )
+            runners[name] = (z, z.step, z.zero_grad)
+    torch.manual_seed(1 + dist.get_rank())
+    x = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]))
+    y = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]))
+    times, sent = {name: [] for name in runners}, {}
+    for step in range(steps + 2):  # two warm-up steps
+        for name, (model, opt_step, zero_grad) in runners.items():
+            dist.barrier()
+            zero.reset_bytes_sent()
+            start = time.perf_counter()
+            zero_grad()
+            lm_loss(model(x), y).backward()
+            opt_step()
+            if step >= 2:
+                times[name].append(time.perf_counter() - start)
+            sent[name] = zero.bytes_sent()["total"]
+    padded = {
+        name: m.padded_numel() for name, (m, _, _) in runners.items() if hasattr(m, "padded_numel")
+    }
+    return {"times": times, "sent": sent, "padded": padded}
+
+
+def measure(
+    variants=VARIANTS,
+    config=MODEL,
+    steps: int = 10,
+    batch: int = 4,
+    world: int = 2,
+    bucket_mb: float = 1.0,
+) -> dict:
+    """{"step_time": {name: median of the slowest rank's step}, "sent": {name: bytes rank 0
+    sent in one step}, "padded": {name: Ψ as stored, padding included}}."""
+    res = launch(_rank_measure, world, variants, config, steps, batch, bucket_mb, timeout=900)
+    step_time = {
+        name: statistics.median(max(r["times"][name][i] for r in res) for i in range(steps))
+        for name in variants
+    }
+    return {
+        "step_time": step_time,
+        "sent": res[0]["sent"],
+        "padded": res[0]["padded"],
+        "world": world,
+    }
+
+
+def report(result: dict, num_params: int) -> str:
+    from minitrain.zero import communication_formula
+
+    base, world = result["step_time"][DP], result["world"]
+    lines = [
+        f"{'variant':<18} {'step (ms)':>9} {'vs DP':>7} {'sent/step (bytes)':>18} {'formula':>12}"
+    ]
+    for name, t in result["step_time"].items():
+        kw = VARIANTS.get(name) or {}
+        stage = kw.get("stage", 0)
+        psi = result["padded"].get(name, num_params)
+        # DP uses torch's all_reduce, which minitrain.zero does not count: formula only
+        sent = f"{result['sent'][name]:,}" if stage else "(not counted)"
+        formula = communication_formula(psi, world, stage)
+        lines.append(f"{name:<18} {t * 1e3:9.1f} {t / base:6.2f}x {sent:>18} {formula:>12,.0f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m minitrain.bench zero", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller model, fewer steps")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=None)
+    args = parser.parse_args(argv)
+    config = QUICK_MODEL if args.quick else MODEL
+    steps = args.steps or (4 if args.quick else 10)
+    from minitrain.model import GPTConfig, gpt_num_params
+
+    n = gpt_num_params(GPTConfig(**config))
+    print(
+        f"GPT {config}: {n / 1e6:.2f} M parameters, AdamW, gloo world {args.world}, "
+        f"median of {steps} steps (each the slowest rank's)\n"
+    )
+    print(report(measure(VARIANTS, config, steps, world=args.world), n))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

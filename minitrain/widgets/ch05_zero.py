@@ -1,0 +1,175 @@
+"""Widget of notebook 05: a ZeRO memory calculator, and stage 3's gather/compute/free timeline.
+
+Used by notebooks/05_zero.ipynb. ``compute_zero_memory`` is the pure function behind the
+calculator (unit tested): for a model of ``num_params`` parameters on ``world_size`` ranks it
+gives each rank's bytes for parameters, gradients and optimizer state under plain data
+parallelism and ZeRO stages 1-3 (Rajbhandari et al. 2020, §5.2), in fp32 or the paper's
+mixed precision (K = 12), with or without optimizer offload. The bars are drawn per
+parameter (bytes/parameter per rank), so the points measured in the notebook on a small model
+(``measured``) sit on the same axis as a trillion-parameter model's formula.
+"""
+
+from __future__ import annotations
+
+import io
+
+from minitrain.zero import memory_formula
+
+STAGES = ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+PARTS = ("params", "grads", "optimizer")
+COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868"}
+
+
+def compute_zero_memory(
+    num_params: int,
+    world_size: int,
+    stage: int,
+    precision: str = "fp32",
+    offload: bool = False,
+    measured: list | None = None,
+) -> dict:
+    """Per-rank model-state memory for every stage, and the selected one.
+
+    Returns {"stages": [memory_formula(...) for DP, 1, 2, 3], "selected": that of ``stage``,
+    "per_param": [total/Ψ per stage], "saving": DP total / selected total, "points": the
+    measured runs (dicts with stage, world_size, params, grads, optimizer, num_params) that
+    match ``world_size`` and fp32 without offload, as (stage, bytes per parameter)}.
+    """
+    if num_params <= 0:
+        raise ValueError(f"num_params must be positive, got {num_params!r}")
+    stages = [memory_formula(num_params, world_size, s, precision, offload) for s in range(4)]
+    selected = stages[stage]
+    points = []
+    if precision == "fp32" and not offload:
+        for m in measured or []:
+            if m["world_size"] == world_size:
+                total = sum(m[p] for p in PARTS)
+                points.append((m["stage"], total / m["num_params"]))
+    return {
+        "stages": stages,
+        "selected": selected,
+        "stage": stage,
+        "per_param": [s["total"] / num_params for s in stages],
+        "saving": stages[0]["total"] / selected["total"] if selected["total"] else float("inf"),
+        "points": points,
+        "num_params": num_params,
+        "world_size": world_size,
+    }
+
+
+def _bytes(x: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.3g} {unit}"
+    return f"{x:.0f} B"
+
+
+def describe(view: dict) -> str:
+    s = view["selected"]
+    parts = " + ".join(f"{s[p] / view['num_params']:.3g}" for p in PARTS)
+    host = f"; {_bytes(s['host'])} on the host" if s["host"] else ""
+    return (
+        f"{STAGES[view['stage']]} on {view['world_size']} ranks: {parts} = "
+        f"<b>{view['per_param'][view['stage']]:.3g} bytes/parameter</b> per rank, "
+        f"<b>{_bytes(s['total'])}</b> per rank for {view['num_params']:.3g} parameters{host} "
+        f"(DP: {_bytes(view['stages'][0]['total'])}; {view['saving']:.3g}× less)"
+    )
+
+
+def plot_memory(view: dict, ax=None):
+    """Stacked bars (bytes per parameter, per rank) for DP and stages 1-3; measured points."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.5, 3.2))
+    n = view["num_params"]
+    for x, stage in enumerate(view["stages"]):
+        bottom, alpha = 0.0, 1.0 if x == view["stage"] else 0.35
+        for part in PARTS:
+            height = stage[part] / n
+            ax.bar(
+                x,
+                height,
+                bottom=bottom,
+                color=COLORS[part],
+                alpha=alpha,
+                label=part if x == 0 else None,
+            )
+            bottom += height
+    if view["points"]:
+        xs, ys = zip(*view["points"])
+        ax.scatter(xs, ys, marker="x", s=80, color="black", zorder=3, label="measured (notebook)")
+    ax.set_xticks(range(4), STAGES)
+    ax.set_ylabel("bytes / parameter / rank")
+    ax.set_title(f"N = {view['world_size']} ranks")
+    ax.legend(fontsize="small")
+    return ax
+
+
+def plot_stage3_timeline(traces, ax=None):
+    """One training step of ZeRO-3 per rank: gathers (communication), block forward/backward
+    (compute) and frees (memory). A block's gather overlapping the previous block's compute is
+    the prefetch."""
+    from minitrain import trace
+
+    return trace.plot_timeline(
+        traces, ax=ax, title="ZeRO-3: gather → compute → free, next block prefetched"
+    )
+
+
+def _png(draw) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    draw(ax)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def build_zero_memory_widget(measured: list | None = None, traces=None):
+    """Controls (parameters, ranks, stage, precision, offload) → summary line and bars;
+    below, the stage 3 timeline if ``traces`` (per-rank events of one step) are given."""
+    import ipywidgets as w
+
+    params = w.FloatLogSlider(
+        value=7.5e9,
+        base=10,
+        min=6,
+        max=12,
+        step=0.25,
+        description="parameters",
+        readout_format=".3g",
+    )
+    ranks = w.SelectionSlider(
+        options=[1, 2, 4, 8, 16, 64, 256, 1024], value=64, description="ranks N"
+    )
+    stage = w.ToggleButtons(
+        options=[(s, i) for i, s in enumerate(STAGES)], value=3, description="stage"
+    )
+    precision = w.ToggleButtons(options=["mixed", "fp32"], value="mixed", description="precision")
+    offload = w.Checkbox(value=False, description="offload optimizer to CPU")
+    status = w.HTML()
+    image = w.Image(format="png")
+
+    def update(_=None):
+        view = compute_zero_memory(
+            int(params.value), ranks.value, stage.value, precision.value, offload.value, measured
+        )
+        status.value = describe(view)
+        image.value = _png(lambda ax: plot_memory(view, ax))
+
+    for control in (params, ranks, stage, precision, offload):
+        control.observe(update, names="value")
+    update()
+    children = [w.HBox([params, ranks]), stage, w.HBox([precision, offload]), status, image]
+    if traces is not None:
+        children.append(
+            w.Image(format="png", value=_png(lambda ax: plot_stage3_timeline(traces, ax)))
+        )
+    return w.VBox(children)

@@ -1,0 +1,450 @@
+"""ZeRO: shard optimizer state, gradients and parameters across data-parallel ranks.
+
+Used by notebooks/05_zero.ipynb. Rajbhandari et al. 2020, "ZeRO: Memory Optimizations
+Toward Training Trillion Parameter Models" (SC'20). Plain data parallelism keeps a full
+copy of the *model states* on every rank: with Adam in mixed precision 2Ψ (fp16 weights)
++ 2Ψ (fp16 gradients) + KΨ (fp32 master, momentum, variance; K = 12) bytes. ZeRO splits
+them into N slices, rank r keeping slice r (§5.2, Figure 1):
+
+- stage 1 (P_os): optimizer state only          2Ψ + 2Ψ + KΨ/N
+- stage 2 (P_os+g): gradients too               2Ψ + (2 + K)Ψ/N
+- stage 3 (P_os+g+p): parameters too            (2 + 2 + K)Ψ/N
+
+This course runs fp32, so the same formulas read 4Ψ + 4Ψ + 8Ψ/N etc. (``memory_formula``).
+Communication (§7): stages 1 and 2 reduce-scatter the gradients and all-gather the updated
+parameters, the same 2Ψ as DP's all-reduce; stage 3 gathers the parameters twice (forward
+and backward) and reduce-scatters the gradients: 3Ψ (``communication_formula``).
+
+Two ways in: ``ShardedOptimizer`` (ZeRO-1 as a drop-in optimizer, used under DDP) and
+``ZeroDataParallel`` (the data-parallel wrapper, stages 1-3, with optional CPU offload of
+the optimizer, Ren et al. 2021 "ZeRO-Offload"). Sharded checkpoints: minitrain.zero_checkpoint;
+formulas and byte counts: minitrain.zero_accounting; ZeRO-1's optimizer: minitrain.zero_optimizer.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minitrain import trace
+from minitrain.zero_accounting import (  # noqa: F401 — re-exported: minitrain.zero.bytes_sent etc.
+    _count,
+    _state_tensors,
+    bytes_sent,
+    communication_formula,
+    dp_memory_bytes,
+    memory_formula,
+    reset_bytes_sent,
+    storage_bytes,
+)
+from minitrain.zero_optimizer import (  # noqa: F401 — ZeRO-1, re-exported
+    ShardedOptimizer,
+    _all_gather,
+    _reduce_scatter,
+    partition_parameters,
+)
+
+
+# --------------------------------------------------------------------------- flat padded units
+class _Unit:
+    """Parameters packed in one flat buffer, padded to a multiple of N; rank r owns slice r.
+
+    ``full`` holds every parameter (the module's parameters become views of it); ``shard`` is
+    this rank's slice, the tensor the optimizer updates (a view of ``full`` in stages 1-2, its
+    own storage in stage 3, where ``full`` is freed between uses: storage resized to 0).
+    """
+
+    def __init__(self, name, named, world, rank, own_shard):
+        self.name, self.names = name, [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.offsets = [0]
+        for p in self.params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.numel = self.offsets[-1]
+        self.shard_numel = -(-self.numel // world)  # ceil: the padding is < N elements
+        self.padded = self.shard_numel * world
+        ref = self.params[0]
+        self.full = torch.zeros(self.padded, dtype=ref.dtype, device=ref.device)
+        with torch.no_grad():
+            for k, p in enumerate(self.params):
+                self.full[self.offsets[k] : self.offsets[k + 1]].copy_(p.reshape(-1))
+                p.data = self.slot(self.full, k).view_as(p)
+        mine = self.full[rank * self.shard_numel : (rank + 1) * self.shard_numel]
+        self.shard = mine.clone() if own_shard else mine
+        self.master = None  # the nn.Parameter the optimizer steps (shard itself, or a host copy)
+        self.grad_full = None  # full padded gradient buffer (stage 1: always; 2-3: transient)
+        self.grad_shard = None  # this rank's averaged gradient slice
+        self.ready, self.state, self.work, self.launched = 0, "full", None, 0.0
+        self.backward_start = None  # stage 3: when this unit's backward began (for the trace)
+
+    def slot(self, flat, k):
+        return flat[self.offsets[k] : self.offsets[k + 1]]
+
+
+def _bucket_params(named, cap_bytes):
+    """Stage 1-2 buckets: parameters in reverse registration order (the order backward makes
+    their gradients), a bucket closed once it holds ≥ cap_bytes."""
+    buckets, current, size = [], [], 0
+    for name, p in reversed(named):
+        current.append((name, p))
+        size += p.numel() * p.element_size()
+        if size >= cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    return buckets + ([current] if current else [])
+
+
+# --------------------------------------------------------------------------- ZeroDataParallel
+class ZeroDataParallel(nn.Module):
+    """Data parallelism with ZeRO ``stage`` 1, 2 or 3 over the ranks of ``group``.
+
+    ``ZeroDataParallel(model, torch.optim.AdamW, stage=2, lr=1e-3)``: call it like the
+    model, ``loss.backward()``, ``step()``, ``zero_grad()``. Each rank feeds its own slice of
+    the batch; the gradients are averaged over ranks (reduce-scatter, so each rank gets the
+    average of its slice only) before the optimizer sees them. ``**kw`` go to ``optimizer_cls``
+    (one parameter group). ``bucket_cap_mb``: gradient bucket size of stages 1-2. Stage 3
+    gathers parameters per *unit*: ``units`` (modules; default ``module.blocks`` if present,
+    else the module's children) plus a root unit for every other parameter. ``offload=True``
+    keeps the optimizer state and its step on the host (``"cpu"``), ZeRO-Offload.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer_cls,
+        stage: int,
+        group=None,
+        bucket_cap_mb: float = 25.0,
+        offload: bool = False,
+        units=None,
+        **kw,
+    ):
+        super().__init__()
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeroDataParallel: stage must be 1, 2 or 3, got {stage!r}")
+        self.module, self.stage, self.group, self.offload = module, stage, group, offload
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        if not named:
+            raise ValueError("ZeroDataParallel: the module has no trainable parameters")
+        kinds = {(p.dtype, p.device) for _, p in named}
+        if len(kinds) > 1:
+            raise ValueError(
+                f"ZeroDataParallel: all parameters must share one dtype and device, got {kinds}"
+            )
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        with torch.no_grad():  # replicas start from rank 0's weights
+            for t in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(t.data, src, group=group)
+        if stage < 3:
+            parts = [
+                (f"bucket {i}", b)
+                for i, b in enumerate(_bucket_params(named, bucket_cap_mb * 2**20))
+            ]
+            self.blocks = []
+        else:
+            self.blocks = list(
+                units if units is not None else getattr(module, "blocks", None) or module.children()
+            )
+            parts, taken = [], set()
+            for i, block in enumerate(self.blocks):
+                mine = [
+                    (n, p)
+                    for n, p in named
+                    if id(p) not in taken and any(p is q for q in block.parameters())
+                ]
+                taken.update(id(p) for _, p in mine)
+                parts.append((f"block {i}", mine))
+            parts.append(("root", [(n, p) for n, p in named if id(p) not in taken]))
+        self.units = [
+            _Unit(name, ps, self.world_size, self.rank, own_shard=stage == 3) if ps else None
+            for name, ps in parts
+        ]
+        self.root = self.units[-1] if stage == 3 else None
+        self.units = [u for u in self.units if u is not None] if stage < 3 else self.units
+        self._where = {p: (u, k) for u in self._live_units() for k, p in enumerate(u.params)}
+        for u in self._live_units():
+            host = torch.device("cpu") if offload else u.shard.device
+            u.master = nn.Parameter(u.shard.detach().to(host, copy=offload))
+            if stage == 1:  # p.grad are views of one flat buffer, which autograd accumulates into
+                u.grad_full = torch.zeros_like(u.full)
+                for k, p in enumerate(u.params):
+                    p.grad = u.slot(u.grad_full, k).view_as(p)
+            else:
+                for p in u.params:
+                    p.register_post_accumulate_grad_hook(self._grad_hook)
+        self.optimizer = optimizer_cls([u.master for u in self._live_units()], **kw)
+        if stage == 3:
+            for i, block in enumerate(self.blocks):
+                block.register_forward_pre_hook(functools.partial(self._pre_hook, i))
+                block.register_forward_hook(functools.partial(self._post_hook, i))
+            for u in self._live_units():
+                self._free(u)
+        self._pending, self._callback_queued = [], False
+
+    def _live_units(self):
+        return [u for u in self.units if u is not None]
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *args, **kwargs):
+        if self.stage < 3:
+            return self.module(*args, **kwargs)
+        if self.root is not None:  # embeddings/head: gathered for the whole forward
+            self._wait_gather(self.root)
+        if self.units[0] is not None and self.blocks:
+            self._start_gather(self.units[0])  # prefetch the first block
+        out = self.module(*args, **kwargs)  # (each block's forward is traced by its hooks)
+        if self.root is not None:
+            self._free(self.root)
+        if torch.is_grad_enabled():
+            for t in _tensors(out):
+                t.register_hook(self._backward_begins)
+        return out
+
+    # ------------------------------------------------------------------ stage 3 gather and free
+    def _start_gather(self, u):
+        """Re-allocate ``u.full`` and launch the all-gather of every rank's shard into it."""
+        if u is None or u.state != "free":
+            return
+        u.full.untyped_storage().resize_(u.padded * u.full.element_size())
+        u.launched = trace.now()
+        # .data: the collective writes through an alias with its own version counter, so the
+        # tensors autograd saved (views of u.full) are not flagged as modified in place
+        u.work = _timed(_all_gather(u.full.data, u.shard, group=self.group, async_op=True))
+        _count("all_gather", u.padded * u.full.element_size(), self.world_size)
+        u.state = "gathering"
+
+    def _wait_gather(self, u):
+        if u is None:
+            return
+        self._start_gather(u)
+        if u.state == "gathering":
+            trace.record(f"gather {u.name}", "communication", u.launched, _wait(u.work))
+            u.state, u.work = "full", None
+
+    def _free(self, u):
+        """Give ``u.full``'s memory back; the parameters (views of it) keep shape but no data."""
+        if u is None or u.state == "free":
+            return
+        if u.state == "gathering":
+            _wait(u.work)
+        with trace.span(f"free {u.name}", "memory"):
+            u.full.untyped_storage().resize_(0)
+        u.state = "free"
+
+    def _pre_hook(self, index, module, args):
+        self._pre_forward(index)  # looked up at call time, so a grader's version runs
+
+    def _post_hook(self, index, module, args, output):
+        self._post_forward(index, output)
+
+    def _pre_forward(self, index):
+        """Stage 3, before block ``index``'s forward: make its parameters whole, prefetch the next.
+
+        Wait for unit ``self.units[index]`` (``self._wait_gather``: it starts the gather if
+        the prefetch did not), then start (don't wait for) the gather of block ``index + 1``,
+        if there is one, so it overlaps this block's compute. Record when the block's compute
+        starts: ``self._block_start = trace.now()``.
+        """
+        ### BEGIN SOLUTION
+        # HINT: self._start_gather(unit) launches an asynchronous all-gather
+        self._wait_gather(self.units[index])
+        if index + 1 < len(self.blocks):
+            self._start_gather(self.units[index + 1])
+        self._block_start = trace.now()
+        ### END SOLUTION
+
+    def _post_forward(self, index, output):
+        """Stage 3, after block ``index``'s forward: free its parameters, arrange the re-gather.
+
+        Record the block's compute (``trace.record(f"forward block {index}", "compute",
+        self._block_start, trace.now())``), free unit ``self.units[index]`` (``self._free``),
+        and, if grad is enabled and ``output`` requires grad, register a hook on ``output``
+        that calls ``self._pre_backward(index)``: backward reaches a block's output just before
+        it runs the block's own backward, which needs the parameters again.
+        """
+        ### BEGIN SOLUTION
+        # HINT: output.register_hook(fn) calls fn(grad) when the gradient of output is known
+        trace.record(f"forward block {index}", "compute", self._block_start, trace.now())
+        self._free(self.units[index])
+        if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(functools.partial(_ignore_grad, self._pre_backward, index))
+        ### END SOLUTION
+
+    def _pre_backward(self, index):
+        """Block ``index`` is about to run backward: gather it, prefetch the one before it."""
+        self._arm_callback()
+        self._wait_gather(self.units[index])
+        if index > 0:
+            self._start_gather(self.units[index - 1])
+        if self.units[index] is not None:
+            self.units[index].backward_start = trace.now()
+
+    def _backward_begins(self, grad):
+        self._arm_callback()
+        self._wait_gather(self.root)  # the head's backward comes first
+        if self.blocks:
+            self._start_gather(self.units[len(self.blocks) - 1])
+
+    # ------------------------------------------------------------------ gradients (stages 2-3)
+    def _arm_callback(self):
+        if not self._callback_queued:  # runs once, when the whole backward is done
+            self._callback_queued, self._backward_start = True, trace.now()
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _grad_hook(self, param):
+        """Autograd calls this once ``param.grad`` holds the gradient (it passes the parameter):
+        copy it into its unit's flat buffer and drop it; a full unit starts its reduce-scatter."""
+        self._arm_callback()
+        u, k = self._where[param]
+        if u.grad_full is None:  # allocated by the unit's first gradient, freed once reduced
+            u.grad_full = torch.zeros(u.padded, dtype=u.shard.dtype, device=u.shard.device)
+        u.slot(u.grad_full, k).add_(param.grad.reshape(-1))
+        param.grad = None
+        u.ready += 1
+        if u.ready == len(u.params):
+            self._launch_reduce_scatter(u)
+
+    def _launch_reduce_scatter(self, u):
+        out = torch.empty_like(u.shard)
+        u.launched = trace.now()
+        work = _timed(_reduce_scatter(out, u.grad_full, group=self.group, async_op=True))
+        _count("reduce_scatter", u.padded * u.grad_full.element_size(), self.world_size)
+        self._pending.append((u, out, work, u.launched))
+        if self.stage == 3:  # every use of its parameters in backward is done: free them
+            if u.backward_start is not None:
+                trace.record(f"backward {u.name}", "compute", u.backward_start, u.launched)
+                u.backward_start = None
+            self._free(u)
+        u.ready = -1  # launched
+
+    def _finish_backward(self):
+        """End of backward: reduce-scatter what is left, wait for all, keep only the shards."""
+        if self.stage == 2:  # (stage 3 records each block's backward instead)
+            trace.record("backward", "compute", self._backward_start, trace.now())
+        for u in self._live_units():  # parameters that got no gradient contribute zeros
+            if u.ready != -1:
+                if u.grad_full is None:
+                    u.grad_full = torch.zeros(u.padded, dtype=u.shard.dtype, device=u.shard.device)
+                self._launch_reduce_scatter(u)
+        for u, out, work, launched in self._pending:
+            trace.record(f"reduce-scatter {u.name}", "communication", launched, _wait(work))
+            out.div_(self.world_size)
+            u.grad_shard = out if u.grad_shard is None else u.grad_shard.add_(out)
+            u.grad_full, u.ready = None, 0
+        if self.stage == 3:
+            for u in self._live_units():
+                self._free(u)
+        self._pending, self._callback_queued = [], False
+
+    # ------------------------------------------------------------------ the step
+    def step(self):
+        """Average gradients (stage 1: now, stages 2-3: done during backward), update this
+        rank's shard, then (stages 1-2) all-gather the updated parameters."""
+        if self.stage == 1:
+            for u in self._live_units():
+                for k, p in enumerate(u.params):  # a grad someone replaced: copy it in
+                    slot = u.slot(u.grad_full, k)
+                    if p.grad is None:
+                        slot.zero_()
+                    elif p.grad.data_ptr() != slot.data_ptr():
+                        slot.copy_(p.grad.reshape(-1))
+                u.grad_shard = torch.empty_like(u.shard)
+                _reduce_scatter(u.grad_shard, u.grad_full, group=self.group)
+                _count("reduce_scatter", u.padded * u.grad_full.element_size(), self.world_size)
+                u.grad_shard.div_(self.world_size)
+        for u in self._live_units():
+            g = u.grad_shard if u.grad_shard is not None else torch.zeros_like(u.shard)
+            u.master.grad = g.to(u.master.device, copy=self.offload)
+        with trace.span("optimizer step", "compute"):
+            self.optimizer.step()
+        with torch.no_grad():
+            for u in self._live_units():
+                if self.offload:  # the updated slice travels back to the device
+                    u.shard.copy_(u.master)
+                u.master.grad = None
+                if self.stage == 1:
+                    u.grad_shard = None
+                if self.stage < 3:
+                    t0 = trace.now()
+                    _all_gather(u.full, u.shard.clone(), group=self.group)
+                    _count("all_gather", u.padded * u.full.element_size(), self.world_size)
+                    trace.record(f"all-gather {u.name}", "communication", t0, trace.now())
+
+    def zero_grad(self, set_to_none: bool = True):
+        for u in self._live_units():
+            u.grad_shard = None
+            if self.stage == 1:
+                u.grad_full.zero_()
+                for k, p in enumerate(u.params):
+                    p.grad = u.slot(u.grad_full, k).view_as(p)
+
+    # ------------------------------------------------------------------ inspection
+    def full_state_dict(self) -> dict:
+        """name → full parameter (a copy), as in the wrapped module's ``named_parameters()``."""
+        out = {}
+        for u in self._live_units():
+            was_free = u.state == "free"
+            self._wait_gather(u)
+            for name, p in zip(u.names, u.params):
+                out[name] = p.detach().clone()
+            if was_free:
+                self._free(u)
+        for name, p in self.module.named_parameters():
+            if name not in out:  # frozen parameters are not sharded
+                out[name] = p.detach().clone()
+        return {name: out[name] for name, _ in self.module.named_parameters()}
+
+    def memory_bytes(self) -> dict:
+        """Bytes this rank holds now, accounted from the tensors it keeps (not from formulas):
+        params (module parameters' storages + stage 3 shards), grads, optimizer state on the
+        device, and "host": what offload keeps on the host (master shards + their state)."""
+        units = self._live_units()
+        params = [p for p in self.module.parameters()] + [u.shard for u in units]
+        grads = [p.grad for p in self.module.parameters()]
+        grads += [t for u in units for t in (u.grad_full, u.grad_shard)]
+        state = _state_tensors(self.optimizer)
+        host = state + [u.master for u in units] if self.offload else []
+        return {
+            "params": storage_bytes(params),
+            "grads": storage_bytes(grads),
+            "optimizer": 0 if self.offload else storage_bytes(state),
+            "host": storage_bytes(host),
+        }
+
+    def padded_numel(self) -> int:
+        """Ψ as stored: every unit's size rounded up to a multiple of N (the padding)."""
+        return sum(u.padded for u in self._live_units())
+
+
+def _timed(work):
+    """A launched collective plus a future of the time it *ends*: the callback runs at
+    completion (not when we wait), so a prefetched gather shows its true length in the trace.
+    (gloo's reduce-scatter has no future: there the end is when the wait returns.)"""
+    try:
+        return work, work.get_future().then(lambda _: trace.now())
+    except RuntimeError:
+        return work, None
+
+
+def _wait(timed) -> float:
+    """Wait for a ``_timed`` collective; return when it ended."""
+    timed[0].wait()
+    return trace.now() if timed[1] is None else timed[1].wait()
+
+
+def _ignore_grad(fn, index, grad):
+    fn(index)
+
+
+def _tensors(out):
+    if isinstance(out, torch.Tensor):
+        return [out] if out.requires_grad else []
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _tensors(o)]
+    return []

@@ -1,0 +1,160 @@
+"""ZeRO stage 1 as a drop-in optimizer: ``ShardedOptimizer``, and how parameters are split.
+
+Used by minitrain.zero (which re-exports these names) and notebooks/05_zero.ipynb.
+Rajbhandari et al. 2020, §5.2 "P_os": each rank keeps the optimizer state of its share of
+the parameters only, steps that share, and then the ranks exchange the updated values.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from minitrain.zero_accounting import _count
+
+# torch 2.13 renamed the tensor collectives; older versions only have the first names
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# --------------------------------------------------------------------------- ZeRO-1 optimizer
+def partition_parameters(sizes: list[int], world_size: int) -> list[list[int]]:
+    """Assign parameters (by index) to ranks so every rank owns about the same number of elements.
+
+    Greedy "largest first" (Graham 1969, LPT): visit the sizes from largest to smallest (ties:
+    lower index first) and give each to the rank with the fewest elements so far (ties: lower
+    rank). Returns, per rank, its indices in increasing order. Every rank must get the same
+    answer, so the rule is deterministic. E.g. sizes [4, 3, 3, 2, 2] on 2 ranks → [[0, 3, 4], [1, 2]]
+    (8 and 6 elements; the best split is 7 and 7: greedy's largest load is within 4/3 of the best).
+    """
+    ### BEGIN SOLUTION
+    # HINT: loads = [0] * world_size; min(range(world_size), key=lambda r: (loads[r], r))
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    loads, owned = [0] * world_size, [[] for _ in range(world_size)]
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world_size), key=lambda r: (loads[r], r))
+        owned[r].append(i)
+        loads[r] += sizes[i]
+    return [sorted(o) for o in owned]
+    ### END SOLUTION
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO stage 1 as an optimizer: rank r keeps ``optimizer_cls`` state for its share only.
+
+    The gradients must already be averaged over the ranks (use it under
+    ``minitrain.ddp.DataParallel``, like torch's ZeroRedundancyOptimizer): DDP's all-reduce
+    (2Ψ) plus this optimizer's all-gather (Ψ) send 3Ψ per step. ``ZeroDataParallel(stage=1)``
+    does the averaging itself with a reduce-scatter and sends 2Ψ. ``state_dict()`` is this
+    rank's shard (with the ownership, to check a resume uses the same world size).
+    """
+
+    def __init__(self, params, optimizer_cls, group=None, **kw):
+        if not (
+            isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)
+        ):
+            raise TypeError(
+                f"optimizer_cls must be a torch.optim.Optimizer class, got {optimizer_cls!r}"
+            )
+        self.group, self.optimizer_cls = group, optimizer_cls
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.optimizer = None  # the local optimizer, over this rank's share
+        super().__init__(params, kw)
+        every = [p for g in self.param_groups for p in g["params"]]
+        self.owned = partition_parameters([p.numel() for p in every], self.world_size)
+        self._build_local()
+
+    def _build_local(self):
+        every = [p for g in self.param_groups for p in g["params"]]
+        mine = {id(every[i]) for i in self.owned[self.rank]}
+        groups = [
+            {
+                **{k: v for k, v in g.items() if k != "params"},
+                "params": [p for p in g["params"] if id(p) in mine],
+            }
+            for g in self.param_groups
+        ]
+        self.optimizer = self.optimizer_cls(groups)
+        self.state = self.optimizer.state  # opt.state[p] works for the parameters this rank owns
+
+    def add_param_group(self, param_group):
+        super().add_param_group(param_group)
+        if self.optimizer is None:  # still inside __init__
+            return
+        # new parameters go to ranks lightest-first, so old ownership (and state) stays put
+        every = [p for g in self.param_groups for p in g["params"]]
+        start = sum(len(o) for o in self.owned)
+        loads = [sum(every[i].numel() for i in o) for o in self.owned]
+        new = partition_parameters([p.numel() for p in every[start:]], self.world_size)
+        new.sort(key=lambda o: -sum(every[start + i].numel() for i in o))
+        for share, r in zip(new, sorted(range(self.world_size), key=lambda r: (loads[r], r))):
+            self.owned[r] = sorted(self.owned[r] + [start + i for i in share])
+        mine = {id(every[i]) for i in self.owned[self.rank] if i >= start}
+        self.optimizer.add_param_group(
+            {
+                **{k: v for k, v in self.param_groups[-1].items() if k != "params"},
+                "params": [p for p in self.param_groups[-1]["params"] if id(p) in mine],
+            }
+        )
+
+    def step(self, closure=None):
+        """The ZeRO-1 step: update this rank's share, then let every rank see all updates.
+
+        1. copy the hyperparameters of ``self.param_groups`` (a scheduler may have changed
+           "lr") into ``self.optimizer.param_groups`` (same order), except "params";
+        2. ``self.optimizer.step()``: this rank's parameters only;
+        3. share: every rank packs its owned parameters (``self.owned[self.rank]``, indices
+           into the flat list of all parameters) into a buffer padded to the largest share,
+           one all-gather (``_all_gather``) of the N buffers, then every rank copies each
+           owner's values into its parameters. Count it: ``_count("all_gather", bytes, N)``.
+        Runs ``closure`` (with grad enabled) first if given and returns its loss.
+        """
+        ### BEGIN SOLUTION
+        # HINT: sizes = [[every[i].numel() for i in o] for o in self.owned]; width = max(map(sum, sizes))
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for mine, local in zip(self.param_groups, self.optimizer.param_groups):
+            local.update({k: v for k, v in mine.items() if k != "params"})
+        self.optimizer.step()
+        every = [p for g in self.param_groups for p in g["params"]]
+        width = max(sum(every[i].numel() for i in o) for o in self.owned)
+        if width == 0:
+            return loss
+        with torch.no_grad():
+            ref = every[0]
+            packed = torch.zeros(width, dtype=ref.dtype, device=ref.device)
+            flat = [every[i].reshape(-1) for i in self.owned[self.rank]]
+            if flat:
+                torch.cat(flat, out=packed[: sum(f.numel() for f in flat)])
+            gathered = torch.empty(width * self.world_size, dtype=ref.dtype, device=ref.device)
+            _all_gather(gathered, packed, group=self.group)
+            _count("all_gather", gathered.numel() * gathered.element_size(), self.world_size)
+            for r, owned in enumerate(self.owned):
+                offset = r * width
+                for i in owned:
+                    n = every[i].numel()
+                    every[i].copy_(gathered[offset : offset + n].view_as(every[i]))
+                    offset += n
+        return loss
+        ### END SOLUTION
+
+    def state_dict(self):
+        return {
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "owned": self.owned,
+            "local": self.optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict):
+        if state_dict.get("world_size") != self.world_size or state_dict.get("owned") != self.owned:
+            raise ValueError(
+                f"ShardedOptimizer.load_state_dict: the state was saved by rank "
+                f"{state_dict.get('rank')} of world size {state_dict.get('world_size')} owning "
+                f"{state_dict.get('owned')}; this is rank {self.rank} of {self.world_size} owning "
+                f"{self.owned}"
+            )
+        self.optimizer.load_state_dict(state_dict["local"])

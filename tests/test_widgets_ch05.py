@@ -1,0 +1,72 @@
+"""The chapter 5 widget: the calculator against the ZeRO paper's per-parameter bytes, and the
+headless widget reacting to its controls."""
+
+import pytest
+
+from minitrain.trace import Event
+from minitrain.widgets.ch05_zero import build_zero_memory_widget, compute_zero_memory
+
+
+def test_compute_matches_the_papers_bytes_per_parameter():
+    # mixed precision, K = 12: DP 16, P_os 4 + 12/N, P_os+g 2 + 14/N, P_os+g+p 16/N
+    view = compute_zero_memory(10**9, 8, 2, "mixed")
+    assert view["per_param"] == pytest.approx([16, 4 + 12 / 8, 2 + 14 / 8, 16 / 8])
+    assert view["selected"]["total"] == pytest.approx((2 + 14 / 8) * 1e9)
+    assert view["saving"] == pytest.approx(16 / (2 + 14 / 8))
+    fp32 = compute_zero_memory(10**6, 4, 3, "fp32")
+    assert fp32["per_param"] == pytest.approx([16, 8 + 8 / 4, 4 + 12 / 4, 16 / 4])
+    off = compute_zero_memory(10**6, 4, 1, "fp32", offload=True)
+    assert off["selected"]["optimizer"] == 0 and off["selected"]["host"] == pytest.approx(2e6)
+    with pytest.raises(ValueError, match="-5"):
+        compute_zero_memory(-5, 4, 1)
+
+
+def test_measured_points_are_overlaid_for_the_matching_world_size():
+    measured = [
+        {
+            "stage": 2,
+            "world_size": 4,
+            "params": 400,
+            "grads": 100,
+            "optimizer": 200,
+            "num_params": 100,
+        },
+        {
+            "stage": 2,
+            "world_size": 2,
+            "params": 400,
+            "grads": 200,
+            "optimizer": 400,
+            "num_params": 100,
+        },
+    ]
+    assert compute_zero_memory(10**6, 4, 2, measured=measured)["points"] == [(2, 7.0)]
+    assert compute_zero_memory(10**6, 4, 2, "mixed", measured=measured)["points"] == []
+
+
+def test_widget_updates_headlessly():
+    traces = [
+        [
+            Event("gather block 0", "communication", 0.0, 0.001),
+            Event("forward block 0", "compute", 0.001, 0.002),
+        ]
+    ] * 2
+    box = build_zero_memory_widget(traces=traces)
+    stage, (precision, offload), status, image, timeline = (
+        box.children[1],
+        box.children[2].children,
+        box.children[3],
+        box.children[4],
+        box.children[5],
+    )
+    assert len(bytes(timeline.value)) > 1000
+    before, picture = status.value, bytes(image.value)
+    assert "ZeRO-3 on 64 ranks" in before and "0.25 bytes/parameter" in before  # 16/64
+    stage.value = 0
+    assert "DP on 64 ranks" in status.value and "16 bytes/parameter" in status.value
+    assert bytes(image.value) != picture
+    precision.value = "fp32"
+    stage.value = 1
+    assert "8.12 bytes/parameter" in status.value  # 4 + 4 + 8/64
+    offload.value = True
+    assert "on the host" in status.value
