@@ -68,18 +68,25 @@ class RankResults(list):
 
 
 # --------------------------------------------------------------------------- backend and device
-def default_backend() -> str:
-    """NCCL when every rank can have its own GPU, gloo otherwise; MINITRAIN_BACKEND overrides."""
+def default_backend(world_size: int | None = None) -> str:
+    """gloo on CPU; with a GPU per rank, gloo for CPU tensors *and* NCCL for CUDA tensors.
+
+    ``"cpu:gloo,cuda:nccl"`` lets torch pick the backend by the tensor's device, so code
+    (and tests) that send CPU tensors keep working on GPU machines. MINITRAIN_BACKEND overrides.
+    """
     if os.environ.get("MINITRAIN_BACKEND"):
         return os.environ["MINITRAIN_BACKEND"]
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and (world_size is None or gpus >= world_size):
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
 
 
 def get_device() -> torch.device:
-    """The device this rank computes on: MINITRAIN_DEVICE, else cuda:<local rank> under NCCL, else cpu."""
+    """The device this rank computes on: MINITRAIN_DEVICE, else its GPU under NCCL, else cpu."""
     if os.environ.get("MINITRAIN_DEVICE"):
         return torch.device(os.environ["MINITRAIN_DEVICE"])
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -95,7 +102,7 @@ def init_from_env(backend: str | None = None) -> tuple[int, int]:
             "with torchrun, or call minitrain.launch.launch(fn, world_size) instead"
         )
     backend = backend or default_backend()
-    if backend == "nccl":
+    if "nccl" in backend:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
         dist.init_process_group(backend)
@@ -127,7 +134,7 @@ def _rank_main(
 
             exercises.apply_patches(patches)
         fn, args, kwargs = cloudpickle.loads(payload)
-        if backend == "nccl":
+        if "nccl" in backend:
             torch.cuda.set_device(rank % torch.cuda.device_count())
         store = dist.TCPStore(_HOST, port, is_master=False, timeout=timedelta(seconds=60))
         dist.init_process_group(
@@ -205,8 +212,8 @@ def launch(
         raise ValueError(f"launch: timeout must be a positive number of seconds, got {timeout!r}")
     if os.environ.get("MINITRAIN_MAX_LAUNCH_TIMEOUT"):  # graders cap every launch's wait
         timeout = min(timeout, float(os.environ["MINITRAIN_MAX_LAUNCH_TIMEOUT"]))
-    backend = backend or default_backend()
-    if backend == "nccl" and torch.cuda.device_count() < world_size:
+    backend = backend or default_backend(world_size)
+    if "nccl" in backend and torch.cuda.device_count() < world_size:
         raise ValueError(
             f"launch: backend nccl needs one GPU per rank; world_size {world_size} > "
             f"{torch.cuda.device_count()} GPUs (use backend='gloo')"

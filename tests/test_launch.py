@@ -210,3 +210,19 @@ def test_two_torchrun_nodes_rendezvous_over_c10d():
             p.kill()
     assert all(p.returncode == 0 for p in nodes), outs
     assert sum(o.count("sum of ranks = 6 ✓") for o in outs) == 4, outs
+
+
+def test_backend_choice(monkeypatch):
+    from minitrain import launch as L
+
+    monkeypatch.delenv("MINITRAIN_BACKEND", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert L.default_backend(4) == "gloo"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert L.default_backend(2) == "cpu:gloo,cuda:nccl"  # a GPU per rank; CPU tensors still work
+    assert L.default_backend(4) == "gloo"  # not enough GPUs for every rank
+    monkeypatch.setenv("MINITRAIN_BACKEND", "gloo")
+    assert L.default_backend(2) == "gloo"
+    with pytest.raises(ValueError, match="needs one GPU per rank; world_size 4 > 2 GPUs"):
+        launch(_rank_and_sum, 4, 0, backend="nccl")
