@@ -217,19 +217,21 @@ class _CheckpointedAttention:
         return checkpoint(self.inner, q, k, v, causal, dropout_p, training)
 
 
-def _forward_in_groups(model, sizes, last_checkpointed):
+def _blocks_in_groups(model, sizes, last_checkpointed):
+    """A ``run_blocks`` for the GPT: the blocks in groups of ``sizes``, each group checkpointed
+    (the last one only if ``last_checkpointed``)."""
     blocks = list(model.blocks)
 
-    def forward(idx):
-        x, start = model.embed(idx), 0
+    def run_blocks(x):
+        start = 0
         for i, size in enumerate(sizes):
             run = _run_all(blocks[start : start + size])
             plain = i == len(sizes) - 1 and not last_checkpointed
             x = run(x) if plain else checkpoint(run, x)
             start += size
-        return model.logits(x)
+        return x
 
-    return forward
+    return run_blocks
 
 
 def set_checkpointing(model: nn.Module, policy: str = "full", k: int = 1) -> nn.Module:
@@ -246,9 +248,9 @@ def set_checkpointing(model: nn.Module, policy: str = "full", k: int = 1) -> nn.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    if not all(hasattr(model, n) for n in ("blocks", "embed", "logits")):
+    if not all(hasattr(model, n) for n in ("blocks", "run_blocks")):
         raise TypeError(f"set_checkpointing needs minitrain's GPT, got {type(model).__name__}")
-    model.__dict__.pop("forward", None)  # an instance attribute shadows GPT.forward
+    model.__dict__.pop("run_blocks", None)  # an instance attribute shadows GPT.run_blocks
     for attn in model.modules():
         if isinstance(attn, CausalSelfAttention) and isinstance(
             attn.attention_fn, _CheckpointedAttention
@@ -260,10 +262,10 @@ def set_checkpointing(model: nn.Module, policy: str = "full", k: int = 1) -> nn.
     if policy in ("full", "every_k"):
         size = 1 if policy == "full" else k
         sizes = [min(size, num_layers - s) for s in range(0, num_layers, size)]
-        model.forward = _forward_in_groups(model, sizes, last_checkpointed=True)
+        model.run_blocks = _blocks_in_groups(model, sizes, last_checkpointed=True)
     elif policy == "segments":
         sizes = segment_sizes(num_layers, k)
-        model.forward = _forward_in_groups(model, sizes, last_checkpointed=False)
+        model.run_blocks = _blocks_in_groups(model, sizes, last_checkpointed=False)
     elif policy == "selective":
         for attn in model.modules():
             if isinstance(attn, CausalSelfAttention):

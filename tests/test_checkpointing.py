@@ -261,8 +261,9 @@ def test_set_checkpointing_is_reversible_and_validates(gpt):
     set_checkpointing(m, "full")
     assert list(m.state_dict()) == keys
     assert m.blocks[0].attn.attention_fn is naive_attention
+    assert "run_blocks" in vars(m) and "forward" not in vars(m)  # only the block loop changes
     set_checkpointing(m, "none")
-    assert "forward" not in vars(m)
+    assert "run_blocks" not in vars(m)
     with pytest.raises(ValueError, match="'partial'"):
         set_checkpointing(m, "partial")
     with pytest.raises(ValueError, match="0"):
