@@ -167,32 +167,56 @@ def model_activation_bytes(
     return blocks + embed + head + loss
 
 
-class _LiveSaved:
-    """Counts the bytes of storages autograd currently holds for backward."""
+class LiveSavedBytes:
+    """Live bytes autograd holds for backward, over time: ``with tracker:`` around a forward.
 
-    def __init__(self, param_storages):
-        self.param_storages = param_storages
-        self.live = {}  # storage address -> [nbytes, number of saved references]
+    Chapter 1's ``memory_timeline`` and chapter 3's peak measurements both use it. ``_pack``
+    counts each saved storage once (parameters and views of them excluded) and hands autograd
+    a small holder; autograd drops the holder once the node that saved it has run backward,
+    and a ``weakref.finalize`` then un-counts it. Keep the hooks on through backward too and
+    recomputed activations (checkpointing) are counted while they live.
+    ``.live`` (now), ``.peak`` (highest so far), ``.timeline``: one ``(phase, bytes)`` per
+    change, phase being whatever ``.phase`` was set to ("forward", "backward").
+    """
 
-    def pack(self, t):
-        if _is_parameter(t, self.param_storages):
-            return _Holder(t)  # parameters are model states, not activations
+    def __init__(self, exclude=()):
+        self.param_storages = {p.untyped_storage().data_ptr() for p in exclude}
+        self.counts = {}  # storage address -> [nbytes, saved references to it]
+        self.live = self.peak = 0
+        self.phase = "forward"
+        self.timeline = []
+
+    def _pack(self, t):
         ptr = t.untyped_storage().data_ptr()
-        entry = self.live.setdefault(ptr, [t.untyped_storage().nbytes(), 0])
+        if ptr == 0 or _is_parameter(t, self.param_storages):  # model state, not activations
+            return _Holder(t)
+        entry = self.counts.setdefault(ptr, [t.untyped_storage().nbytes(), 0])
         entry[1] += 1
-        holder = _Holder(t)  # autograd drops it once the node that saved it has run backward
-        weakref.finalize(holder, self._release, ptr)
+        if entry[1] == 1:
+            self._change(entry[0])
+        holder = _Holder(t)
+        weakref.finalize(holder, self._release, ptr)  # runs when autograd lets go
         return holder
 
     def _release(self, ptr):
-        entry = self.live[ptr]
+        entry = self.counts[ptr]
         entry[1] -= 1
         if entry[1] == 0:
-            del self.live[ptr]
+            del self.counts[ptr]
+            self._change(-entry[0])
 
-    @property
-    def bytes(self) -> int:
-        return sum(n for n, _ in self.live.values())
+    def _change(self, delta):
+        self.live += delta
+        self.peak = max(self.peak, self.live)
+        self.timeline.append((self.phase, self.live))
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda h: h.tensor)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
 
 
 class _Holder:
@@ -223,7 +247,7 @@ def memory_timeline(model: nn.Module, optimizer, loss_fn, batches) -> list[dict]
     """
     params = list(dict.fromkeys(model.parameters()))  # tied weights once
     param_bytes = sum(p.nbytes for p in params)
-    tracker = _LiveSaved({p.untyped_storage().data_ptr() for p in params})
+    tracker = LiveSavedBytes(params)
     points, where = [], {"step": 0, "phase": ""}
 
     def sample(label):
@@ -233,7 +257,7 @@ def memory_timeline(model: nn.Module, optimizer, loss_fn, batches) -> list[dict]
             parameters=param_bytes,
             gradients=sum(p.grad.nbytes for p in params if p.grad is not None),
             optimizer=_state_bytes(optimizer),
-            activations=tracker.bytes,
+            activations=tracker.live,
         )
         if params[0].is_cuda:
             point["allocated"] = torch.cuda.memory_allocated(params[0].device)
@@ -251,7 +275,7 @@ def memory_timeline(model: nn.Module, optimizer, loss_fn, batches) -> list[dict]
         for step, (x, y) in enumerate(batches, start=1):
             where.update(step=step, phase="forward")
             sample("start")
-            with torch.autograd.graph.saved_tensors_hooks(tracker.pack, lambda h: h.tensor):
+            with tracker:
                 loss = loss_fn(model, x, y)
             sample("loss")
             where["phase"] = "backward"

@@ -4,11 +4,12 @@
 per policy on the tiny GPT, the bytes saved for backward, the peak of live saved bytes,
 the matmul FLOPs of a step and its wall time, each next to its formula and relative to
 no checkpointing. notebooks/03_activation_checkpointing.ipynb and its widget use the
-same functions (``measure_policy``, ``segment_sweep``, ``LiveSavedBytes``).
+same functions (``measure_policy``, ``segment_sweep``).
 
 How peak memory is measured: CPU tensors have no allocator statistics, and the bytes
-that matter here are the ones autograd *holds for backward*. ``LiveSavedBytes`` is a
-``saved_tensors_hooks`` pair active through forward *and* backward. pack() counts the
+that matter here are the ones autograd *holds for backward*. ``LiveSavedBytes`` (chapter
+1's ``minitrain.memory``) is a ``saved_tensors_hooks`` pair, here active through forward
+*and* backward. pack() counts the
 storage of every saved tensor (parameters excluded, a storage saved several times
 counted once) and returns a small holder; autograd drops the holder when the node that
 saved it has run its backward, and a ``weakref.finalize`` on the holder then uncounts
@@ -23,7 +24,6 @@ import contextlib
 import copy
 import statistics
 import time
-import weakref
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -36,62 +36,8 @@ from minitrain.checkpointing import (
     sequential_peak_bytes,
     set_checkpointing,
 )
-from minitrain.memory import saved_activation_bytes
+from minitrain.memory import LiveSavedBytes, saved_activation_bytes
 from minitrain.model import GPT, GPTConfig
-
-
-class _Holder:
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-
-class LiveSavedBytes:
-    """Live bytes autograd holds for backward, over time; ``with tracker:`` around a step.
-
-    ``.live`` (now), ``.peak`` (highest so far), ``.timeline``: one ``(phase, bytes)``
-    per change, phase being whatever ``.phase`` was set to ("forward", "backward").
-    """
-
-    def __init__(self, exclude=()):
-        self.exclude = {p.untyped_storage().data_ptr() for p in exclude}
-        self.counts = {}  # storage address -> [nbytes, saved references to it]
-        self.live = self.peak = 0
-        self.phase = "forward"
-        self.timeline = []
-
-    def _pack(self, t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in self.exclude or ptr == 0:  # parameters: model state, not activations
-            return _Holder(t)
-        entry = self.counts.setdefault(ptr, [t.untyped_storage().nbytes(), 0])
-        entry[1] += 1
-        if entry[1] == 1:
-            self._change(entry[0])
-        holder = _Holder(t)
-        weakref.finalize(holder, self._release, ptr)  # runs when autograd lets go
-        return holder
-
-    def _release(self, ptr):
-        entry = self.counts[ptr]
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self.counts[ptr]
-            self._change(-entry[0])
-
-    def _change(self, delta):
-        self.live += delta
-        self.peak = max(self.peak, self.live)
-        self.timeline.append((self.phase, self.live))
-
-    def __enter__(self):
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda h: h.tensor)
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self._hooks.__exit__(*exc)
 
 
 @contextlib.contextmanager
