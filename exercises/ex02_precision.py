@@ -13,10 +13,8 @@ import math
 import sys
 import torch
 import minitrain.precision as _precision
-from collections import deque
 from dataclasses import dataclass
 from torch import nn
-from minitrain.precision import FP8_E4M3, FP8_E5M2
 
 
 def round_significand(sig: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -87,4 +85,4 @@ class MasterWeightOptimizer:
         # HINT: self.optimizer, self.model_params, self.master_params; use torch.no_grad()
         raise NotImplementedError("exercise: write MasterWeightOptimizer.step (see its docstring)")
 
-# minitrain-exercises-hash: 28ba00b48e3d7b61
+# minitrain-exercises-hash: 671172ea38541ff0

@@ -7,10 +7,8 @@ One source of truth: the reference answer of an exercise is the code between
     python -m minitrain.exercises check    # CI: fail if either folder is out of date
     python -m minitrain.exercises start    # learners: copy the stubs to my_exercises/ (once)
 
-Grading (``python -m minitrain.grade``) calls ``apply_patches``: each function the
-learner wrote is re-bound to the *library module's* globals and put in place of
-the reference, so the rest of the library (and every rank that ``launch`` starts)
-runs the learner's code.
+Grading (``python -m minitrain.grade``) then puts the learner's functions in place of
+the library's: ``minitrain.patching``.
 """
 
 from __future__ import annotations
@@ -21,11 +19,9 @@ import hashlib
 import importlib
 import importlib.util
 import inspect
-import os
 import shutil
 import sys
 import textwrap
-import types
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -269,78 +265,6 @@ def start(root: Path = ROOT, target: str = "my_exercises") -> list[Path]:
             shutil.copyfile(src, dest / src.name)
             copied.append(dest / src.name)
     return copied
-
-
-# --------------------------------------------------------------------------- grading: patching
-_active: str | None = None
-
-
-def active_patches() -> str | None:
-    """The exercise folder currently patched into the library (launch ships it to each rank)."""
-    return _active
-
-
-def apply_patches(folder: str | os.PathLike) -> list[str]:
-    """Put the functions written in ``folder``/exNN_*.py in place of the library's.
-
-    Returns the qualified names patched. A function missing from the learner's file is
-    replaced by one that says so, so nothing is graded on the reference's behalf.
-    """
-    global _active
-    folder = Path(folder).resolve()
-    patched = []
-    for chapter, (stem, _) in CHAPTERS.items():
-        path = folder / f"{stem}.py"
-        exs = chapter_exercises(chapter)
-        if not exs or not path.exists():
-            continue
-        spec = importlib.util.spec_from_file_location(f"_minitrain_learner_{stem}", path)
-        learner = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(learner)  # a SyntaxError here names the learner's file and line
-        for ex in exs:
-            _patch_one(ex, learner, path)
-            patched.append(f"{ex.module}.{ex.qualname}")
-    _active = str(folder)
-    return patched
-
-
-def _patch_one(ex: Exercise, learner, path: Path) -> None:
-    target_module = sys.modules[ex.module]
-    owner = getattr(target_module, ex.class_name) if ex.class_name else target_module
-    original = inspect.getattr_static(owner, ex.name)
-    is_static = isinstance(original, staticmethod)
-    original_fn = original.__func__ if is_static else original
-    source = getattr(learner, ex.class_name, None) if ex.class_name else learner
-    written = inspect.getattr_static(source, ex.name, None) if source is not None else None
-    if isinstance(written, staticmethod):
-        written = written.__func__
-    if not isinstance(written, types.FunctionType):
-
-        def written(*args, _q=ex.qualname, _p=path.name, **kwargs):
-            raise NotImplementedError(f"{_q} is missing from {_p}")
-
-    # Names the learner's file defines that the library lacks (their own helpers, an
-    # extra import) are added to the library module, so the re-bound code finds them.
-    for name, value in vars(learner).items():
-        if not name.startswith("__") and name not in vars(target_module):
-            setattr(target_module, name, value)
-    if written.__code__.co_freevars:
-        new = written  # a closure cannot be re-bound; it keeps the learner file's globals
-    else:
-        new = types.FunctionType(
-            written.__code__, vars(target_module), ex.name, written.__defaults__
-        )
-        new.__kwdefaults__ = written.__kwdefaults__
-        new.__doc__ = original_fn.__doc__
-    new.__qualname__ = original_fn.__qualname__
-    new.__module__ = ex.module
-    setattr(owner, ex.name, staticmethod(new) if is_static else new)
-    if ex.class_name is None:  # modules that did `from x import f` hold the old function
-        for name, mod in list(sys.modules.items()):
-            if name.startswith("minitrain") and mod is not None:
-                for attr, value in list(vars(mod).items()):
-                    if value is original_fn:
-                        setattr(mod, attr, new)
 
 
 # --------------------------------------------------------------------------- command line

@@ -130,9 +130,9 @@ def _rank_main(
     message = None
     try:
         if patches:  # grading: the learner's exercise functions replace the library's here too
-            from minitrain import exercises
+            from minitrain import patching
 
-            exercises.apply_patches(patches)
+            patching.apply_patches(patches)
         fn, args, kwargs = cloudpickle.loads(payload)
         if "nccl" in backend:
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -226,9 +226,9 @@ def launch(
             f"worker processes ({type(exc).__name__}: {exc})"
         ) from exc
 
-    from minitrain import exercises  # the grader's patches, re-applied in every rank
+    from minitrain import patching  # the grader's patches, re-applied in every rank
 
-    patches = exercises.active_patches()
+    patches = patching.active_patches()
     threads = max(1, (os.cpu_count() or 1) // world_size)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: no DNS, no real NIC
     ctx = _forkserver()

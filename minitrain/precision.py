@@ -10,7 +10,7 @@ References: IEEE 754-2019 section 3.4 (binary interchange formats) and 4.3.1
 Micikevicius et al. 2022, "FP8 Formats for Deep Learning" (E4M3 without infinities, E5M2);
 Gupta et al. 2015, "Deep Learning with Limited Numerical Precision" (stochastic rounding).
 
-The loss scaler, master weights and FP8 scaling live in minitrain.loss_scaling;
+The loss scaler and master weights live in minitrain.loss_scaling, FP8 scaling in minitrain.fp8;
 DynamicLossScaler and MasterWeightOptimizer are re-exported here.
 """
 

@@ -9,10 +9,8 @@ import math
 import sys
 import torch
 import minitrain.precision as _precision
-from collections import deque
 from dataclasses import dataclass
 from torch import nn
-from minitrain.precision import FP8_E4M3, FP8_E5M2
 
 
 def round_significand(sig: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -119,4 +117,4 @@ class MasterWeightOptimizer:
                 p.copy_(m)
         ### END SOLUTION
 
-# minitrain-exercises-hash: 389e863e26d6eff0
+# minitrain-exercises-hash: 052b68847e48e1f9

@@ -7,7 +7,7 @@ import types
 
 import pytest
 
-from minitrain import exercises, point_to_point
+from minitrain import exercises, patching, point_to_point
 from minitrain.exercises import ROOT
 
 
@@ -85,12 +85,12 @@ def test_patching_rebinds_learner_code_into_the_library(tmp_path):
     (tmp_path / "ex00_point_to_point.py").write_text(LEARNER)
     script = textwrap.dedent(f"""
         import torch
-        from minitrain import exercises, point_to_point
+        from minitrain import patching, point_to_point
         from minitrain.point_to_point import broadcast as imported_before
-        exercises.apply_patches({str(tmp_path)!r})
+        patching.apply_patches({str(tmp_path)!r})
         assert point_to_point.broadcast(None) == "learner"
         assert imported_before is not point_to_point.broadcast   # old reference stays a copy
-        assert exercises.active_patches() == {str(tmp_path)!r}
+        assert patching.active_patches() == {str(tmp_path)!r}
         print(point_to_point.pass_the_token(torch.tensor(1.0)).item())
     """)
     # ring_neighbours needs a process group: give it a one-rank gloo group
@@ -107,8 +107,8 @@ def test_missing_learner_function_is_not_graded_on_the_references_behalf(tmp_pat
         "def broadcast(t, src=0, group=None):\n    return t\n"
     )
     script = textwrap.dedent(f"""
-        from minitrain import exercises, point_to_point
-        exercises.apply_patches({str(tmp_path)!r})
+        from minitrain import patching, point_to_point
+        patching.apply_patches({str(tmp_path)!r})
         try:
             point_to_point.pass_the_token(None)
         except NotImplementedError as e:
@@ -222,7 +222,7 @@ def test_methods_and_staticmethods_are_extracted_and_patched(tmp_path, monkeypat
     assert "raise NotImplementedError" in found[0].stub and "self.n +=" not in found[0].stub
     assert found[0].stub.rstrip().endswith("return self.n")  # code after the region is kept
     for ex in found:
-        exercises._patch_one(ex, learner, tmp_path / "demo_learner.py")
+        patching._patch_one(ex, learner, tmp_path / "demo_learner.py")
     c = lib.Counter()
     assert c.bump(2) == 21  # the learner's code, reading the library's SCALE
     assert lib.Counter.double(1) == 200  # staticmethod stays static, uses the library's helper

@@ -9,14 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from minitrain.loss_scaling import (
-    DelayedScaling,
-    QuantizedLinear,
-    amax_scale,
-    bytes_per_parameter,
-    quantize,
-    quantize_linears,
-)
+from minitrain.fp8 import DelayedScaling, QuantizedLinear, amax_scale, quantize, quantize_linears
+from minitrain.loss_scaling import bytes_per_parameter
 from minitrain.precision import (
     BF16,
     FP8_E4M3,

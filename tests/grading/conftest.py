@@ -21,10 +21,10 @@ def pytest_configure(config):
     global _patch_error
     folder = os.environ.get("MINITRAIN_EXERCISES")
     if folder:
-        from minitrain import exercises
+        from minitrain import patching
 
         try:
-            exercises.apply_patches(folder)
+            patching.apply_patches(folder)
         except Exception as exc:  # e.g. a SyntaxError in the learner's file
             _patch_error = f"your exercise file could not be loaded: {type(exc).__name__}: {exc}"
 
