@@ -13,7 +13,8 @@ Used by every multi-process notebook from 00_getting_started on. Two ways in:
 Why it is built this way (facts measured on a 2-core CPU machine, torch 2.13):
 
 * Functions defined in a notebook cell cannot be pickled by reference, so ``fn``
-  travels as cloudpickle bytes to a module-level entry point (``_rank_main``).
+  travels as cloudpickle bytes to a module-level entry point
+  (``minitrain.rank._rank_main``, the worker's side).
 * Workers come from a *forkserver* that has already imported torch: a warm launch
   costs ~0.1 s instead of the ~3 s of *spawn*, and, unlike plain *fork*, it never
   inherits a notebook kernel's thread pools (which deadlocks children).
@@ -26,26 +27,27 @@ Why it is built this way (facts measured on a 2-core CPU machine, torch 2.13):
 
 from __future__ import annotations
 
-import faulthandler
-import io
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import signal
-import sys
 import tempfile
 import time
-import traceback
-from datetime import timedelta
 
 import cloudpickle
 import torch
 import torch.distributed as dist
 
-from minitrain import trace
+from minitrain.rank import (  # noqa: F401 — part of this module's API too
+    _HOST,
+    _rank_main,
+    default_backend,
+    get_device,
+    init_from_env,
+    running_under_torchrun,
+)
 
-_HOST = "127.0.0.1"
-_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "minitrain.launch"]
+_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "minitrain.launch", "minitrain.rank"]
 
 
 class LaunchError(RuntimeError):
@@ -65,114 +67,6 @@ class RankResults(list):
 
     traces: list
     output: list
-
-
-# --------------------------------------------------------------------------- backend and device
-def default_backend(world_size: int | None = None) -> str:
-    """gloo on CPU; with a GPU per rank, gloo for CPU tensors *and* NCCL for CUDA tensors.
-
-    ``"cpu:gloo,cuda:nccl"`` lets torch pick the backend by the tensor's device, so code
-    (and tests) that send CPU tensors keep working on GPU machines. MINITRAIN_BACKEND overrides.
-    """
-    if os.environ.get("MINITRAIN_BACKEND"):
-        return os.environ["MINITRAIN_BACKEND"]
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if gpus and (world_size is None or gpus >= world_size):
-        return "cpu:gloo,cuda:nccl"
-    return "gloo"
-
-
-def get_device() -> torch.device:
-    """The device this rank computes on: MINITRAIN_DEVICE, else its GPU under NCCL, else cpu."""
-    if os.environ.get("MINITRAIN_DEVICE"):
-        return torch.device(os.environ["MINITRAIN_DEVICE"])
-    if dist.is_initialized() and "nccl" in str(dist.get_backend()):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def init_from_env(backend: str | None = None) -> tuple[int, int]:
-    """Initialise the default process group from torchrun's environment; return (rank, world_size)."""
-    missing = [
-        k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ
-    ]
-    if missing:
-        raise RuntimeError(
-            f"init_from_env: environment variables {missing} are not set — start the script "
-            "with torchrun, or call minitrain.launch.launch(fn, world_size) instead"
-        )
-    backend = backend or default_backend()
-    if "nccl" in backend:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if not dist.is_initialized():
-        dist.init_process_group(backend)
-    return dist.get_rank(), dist.get_world_size()
-
-
-def running_under_torchrun() -> bool:
-    return (
-        "RANK" in os.environ and "WORLD_SIZE" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ
-    )
-
-
-# --------------------------------------------------------------------------- the worker side
-def _rank_main(
-    rank, world_size, port, backend, payload, conn, stack_file, patches, threads, timeout
-):
-    """Entry point of one worker process (module level, so the forkserver can find it)."""
-    captured = io.StringIO()
-    sys.stdout = sys.stderr = captured  # relayed to the parent, which prints "[rank r] ..."
-    # On SIGUSR1 write the Python stack to a file: how the parent shows where a stuck rank waits.
-    stack_fh = open(stack_file, "w")  # noqa: SIM115 — must stay open for the signal handler
-    faulthandler.register(signal.SIGUSR1, file=stack_fh, all_threads=False)
-    torch.set_num_threads(threads)  # ranks share the cores: don't oversubscribe them
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    message = None
-    try:
-        if patches:  # grading: the learner's exercise functions replace the library's here too
-            from minitrain import patching
-
-            patching.apply_patches(patches)
-        fn, args, kwargs = cloudpickle.loads(payload)
-        if "nccl" in backend:
-            torch.cuda.set_device(rank % torch.cuda.device_count())
-        store = dist.TCPStore(_HOST, port, is_master=False, timeout=timedelta(seconds=60))
-        dist.init_process_group(
-            backend,
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=max(timeout, 30)),
-        )
-        trace.reset()
-        result = fn(*args, **kwargs)
-        try:
-            result_bytes = cloudpickle.dumps(result)
-        except Exception as exc:
-            raise TypeError(
-                f"the value returned by {getattr(fn, '__name__', fn)!r} on rank {rank} "
-                f"({type(result).__name__}) cannot be sent back to the parent: {exc}"
-            ) from exc
-        message = ("ok", rank, result_bytes, trace.events(), captured.getvalue())
-    except BaseException:
-        message = ("error", rank, traceback.format_exc(), [], captured.getvalue())
-    try:
-        conn.send(message)
-        if message[0] == "ok":
-            # Stay connected until every rank is done: a peer still waiting for us should be
-            # reported as stuck (with its stack), not fail on "connection closed by peer".
-            try:
-                conn.recv()
-            except EOFError:
-                pass
-        conn.close()
-    finally:
-        if message[0] == "ok" and dist.is_initialized():
-            dist.destroy_process_group()
-        stack_fh.close()
-        # Leave without running interpreter shutdown: torch 2.13 + gloo can abort there
-        # after all work is done (a known race), which would look like a crash.
-        os._exit(0)
 
 
 # --------------------------------------------------------------------------- the parent side
@@ -310,15 +204,40 @@ def _collect(procs, conns, timeout, stack_dir):
                 messages[rank] = msg
                 sentinels.pop(procs[rank].sentinel, None)
                 if msg[0] == "error":
-                    printed = f"\nIt printed:\n{msg[4]}" if msg[4].strip() else ""
-                    raise LaunchError(
-                        f"rank {rank} raised an exception:\n{msg[2]}{printed}", [rank]
-                    )
+                    raise _raised(rank, msg, waiting)
             elif obj in sentinels:
                 rank = sentinels.pop(obj)
                 if rank in waiting.values() and not conns[rank].poll():
                     raise LaunchError(_death_message(rank, procs[rank].exitcode), [rank])
     return messages
+
+
+def _raised(rank, msg, waiting, grace: float = 0.2) -> LaunchError:
+    """The error for ranks that raised: wait ``grace`` seconds for other ranks' reports, then
+    show the traceback of the rank that failed first — its peers often fail only because it
+    died ("connection closed"). Ranks that failed the same way within a few milliseconds
+    (the same bug everywhere) count as one: the lowest of them is shown, so the message does
+    not depend on which process happened to be scheduled first."""
+    failed = {rank: msg}
+    for conn in mpc.wait(list(waiting), timeout=grace):
+        try:
+            other = conn.recv()
+        except EOFError:
+            continue
+        if other[0] == "error":
+            failed[waiting[conn]] = other
+
+    def kind(m):  # the exception's type, from the traceback's last line
+        return m[2].strip().splitlines()[-1].split(":")[0]
+
+    origin = min(failed.values(), key=lambda m: m[5])
+    first = min(r for r, m in failed.items() if kind(m) == kind(origin) and m[5] - origin[5] < 0.05)
+    text, printed = failed[first][2], failed[first][4]
+    return LaunchError(
+        f"rank {first} raised an exception:\n{text}"
+        + (f"\nIt printed:\n{printed}" if printed.strip() else ""),
+        [first],
+    )
 
 
 def _death_message(rank: int, code) -> str:
