@@ -11,22 +11,28 @@ that is large in memory (a s^2 b per layer) but cheap in FLOPs ("selective").
 - ``checkpoint(fn, *args)``: one segment, as a ``torch.autograd.Function``;
 - ``checkpoint_sequential(layers, segments, x)``: a chain split into segments;
 - ``set_checkpointing(model, policy, k)``: the policies on minitrain's GPT;
-- the formulas: bytes saved, recomputed FLOPs, peak memory, the best segment count.
+- the formulas (bytes saved, recomputed FLOPs, peak memory, the best segment count) are
+  in minitrain.checkpointing_cost and re-exported here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 
 import torch
 from torch import nn
 
-from minitrain.memory import block_activation_bytes, model_activation_bytes
+from minitrain.checkpointing_cost import (  # noqa: F401 — the formulas, re-exported
+    POLICIES,
+    _policy_check,
+    choose_segments,
+    policy_extra_flops,
+    policy_saved_bytes,
+    segment_sizes,
+    sequential_peak_bytes,
+)
 from minitrain.model import CausalSelfAttention
-
-POLICIES = ("none", "full", "every_k", "selective", "segments")
 
 
 # ----------------------------------------------------------------------------- RNG state
@@ -167,21 +173,6 @@ def _with_autocast(fn, tensors):
 
 
 # ----------------------------------------------------------------------------- a chain
-def segment_sizes(num_layers: int, segments: int) -> list[int]:
-    """Sizes as equal as possible; the remainder goes to the *last* segments.
-
-    The last segment is the one held in full at the end of forward, so making it a
-    largest one makes the peak exactly ``(k-1) c + ceil(L/k) A`` (see ``sequential_peak_bytes``).
-    """
-    if not isinstance(segments, int) or not 1 <= segments <= num_layers:
-        raise ValueError(
-            f"segments must be an int in [1, {num_layers}] for {num_layers} "
-            f"layers, got {segments!r}"
-        )
-    base, extra = divmod(num_layers, segments)
-    return [base + (i >= segments - extra) for i in range(segments)]
-
-
 def _run_all(layers):
     def run(x):
         for layer in layers:
@@ -246,10 +237,9 @@ def set_checkpointing(model: nn.Module, policy: str = "full", k: int = 1) -> nn.
     The model's parameters and ``state_dict`` are unchanged; ``set_checkpointing(model,
     "none")`` undoes it.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if not all(hasattr(model, n) for n in ("blocks", "run_blocks")):
         raise TypeError(f"set_checkpointing needs minitrain's GPT, got {type(model).__name__}")
+    _policy_check(policy, k, len(model.blocks))
     model.__dict__.pop("run_blocks", None)  # an instance attribute shadows GPT.run_blocks
     for attn in model.modules():
         if isinstance(attn, CausalSelfAttention) and isinstance(
@@ -257,8 +247,6 @@ def set_checkpointing(model: nn.Module, policy: str = "full", k: int = 1) -> nn.
         ):
             attn.attention_fn = attn.attention_fn.inner
     num_layers = len(model.blocks)
-    if policy in ("every_k", "segments") and (not isinstance(k, int) or k < 1):
-        raise ValueError(f"policy {policy!r} needs a positive int k, got {k!r}")
     if policy in ("full", "every_k"):
         size = 1 if policy == "full" else k
         sizes = [min(size, num_layers - s) for s in range(0, num_layers, size)]
@@ -271,109 +259,3 @@ def set_checkpointing(model: nn.Module, policy: str = "full", k: int = 1) -> nn.
             if isinstance(attn, CausalSelfAttention):
                 attn.attention_fn = _CheckpointedAttention(attn.attention_fn)
     return model
-
-
-# ----------------------------------------------------------------------------- formulas
-def _policy_check(policy, k, num_layers):
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-    if policy in ("every_k", "segments") and (not isinstance(k, int) or k < 1):
-        raise ValueError(f"policy {policy!r} needs a positive int k, got {k!r}")
-    if policy == "segments":
-        segment_sizes(num_layers, k)  # k <= L too
-
-
-def policy_saved_bytes(
-    config, batch: int, policy: str, k: int = 1, seq_len: int | None = None
-) -> int:
-    """Bytes the GPT's loss saves for backward under ``policy`` (fp32), from chapter 1's formula.
-
-    With A = ``block_activation_bytes`` and c = 4 b s h (one block input): "full" and
-    "every_k" replace the L A of the blocks by one c per checkpointed group; "segments"
-    keeps (k-1) inputs plus the last segment in full; "selective" drops, per block, the
-    attention core's s x s tensors: a s^2 b 4 (softmax) + a s^2 b 5 (dropout mask and output).
-    """
-    s, L = seq_len or config.seq_len, config.n_layer
-    _policy_check(policy, k, L)
-    b, h, a = batch, config.d_model, config.n_head
-    everything = model_activation_bytes(config, b, s)
-    A = block_activation_bytes(b, s, h, a, config.d_ff, config.dropout)
-    c = 4 * b * s * h
-    if policy == "none":
-        return everything
-    if policy in ("full", "every_k"):
-        return everything - L * A + math.ceil(L / (1 if policy == "full" else k)) * c
-    if policy == "segments":
-        return everything - (L - segment_sizes(L, k)[-1]) * A + (k - 1) * c
-    core = a * s * s * b * (4 + (5 if config.dropout > 0 else 0))
-    return everything - L * core
-
-
-def policy_extra_flops(
-    config, batch: int, policy: str, k: int = 1, seq_len: int | None = None
-) -> int:
-    """Matmul FLOPs recomputed in backward under ``policy`` (what FlopCounterMode counts).
-
-    One block's forward: 2 b s (4h^2 + 2hf) for its Linears + 4 b s^2 h for q k^T and
-    probs @ v. Full recomputation redoes every block's forward (about a third more than
-    the 3x-forward step); selective only the 4 b s^2 h of each block.
-    """
-    s, L = seq_len or config.seq_len, config.n_layer
-    _policy_check(policy, k, L)
-    b, h, f = batch, config.d_model, config.d_ff
-    attention_core = 4 * b * s * s * h
-    block = 2 * b * s * (4 * h * h + 2 * h * f) + attention_core
-    recomputed_blocks = {
-        "none": 0,
-        "full": L,
-        "every_k": L,
-        "selective": 0,
-        "segments": L - segment_sizes(L, k)[-1] if policy == "segments" else 0,
-    }
-    return recomputed_blocks[policy] * block + (L * attention_core if policy == "selective" else 0)
-
-
-def sequential_peak_bytes(
-    num_layers: int, segments: int, layer_bytes: int, input_bytes: int
-) -> int:
-    """Peak activation bytes of ``checkpoint_sequential``: (k - 1) c + ceil(L / k) A.
-
-    Chen et al. 2016, section 4: at the end of forward k-1 segment inputs (c bytes each)
-    are kept plus the whole last segment (ceil(L/k) layers of A bytes); every later moment
-    of backward holds less (one recomputed segment, fewer inputs). Add the bytes saved
-    outside the chain (embedding, head, loss) for a whole model.
-    """
-    segment_sizes(num_layers, segments)  # validates
-    return (segments - 1) * input_bytes + math.ceil(num_layers / segments) * layer_bytes
-
-
-def choose_segments(
-    num_layers: int, layer_bytes: int, input_bytes: int, budget_bytes: int | None = None
-) -> int:
-    """The segment count k in [1, L] for ``checkpoint_sequential`` of L layers.
-
-    Predicted peak: peak(k) = (k - 1) * input_bytes + ceil(L / k) * layer_bytes.
-    Without a budget: the k with the smallest peak (the smallest such k if several tie:
-    fewer segments, less recomputation). With ``budget_bytes``: the smallest k whose peak
-    fits in the budget (every k > 1 recomputes all but the last segment, so the fewest
-    segments cost least); raise ValueError naming the budget if no k fits.
-    For A = c the minimum is near k = sqrt(L) (Chen et al. 2016); in general sqrt(L A / c).
-    """
-    ### BEGIN SOLUTION
-    # HINT: try every k from 1 to num_layers; math.ceil(num_layers / k) layers in the last one
-    if not isinstance(num_layers, int) or num_layers < 1:
-        raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
-    peaks = {
-        k: (k - 1) * input_bytes + math.ceil(num_layers / k) * layer_bytes
-        for k in range(1, num_layers + 1)
-    }
-    if budget_bytes is None:
-        return min(peaks, key=lambda k: (peaks[k], k))
-    fitting = [k for k, peak in peaks.items() if peak <= budget_bytes]
-    if not fitting:
-        raise ValueError(
-            f"no segment count fits budget_bytes={budget_bytes}: the smallest "
-            f"predicted peak is {min(peaks.values())} bytes"
-        )
-    return min(fitting)
-    ### END SOLUTION

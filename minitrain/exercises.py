@@ -37,7 +37,7 @@ CHAPTERS: dict[int, tuple[str, list[str]]] = {
         ["minitrain.model", "minitrain.data", "minitrain.memory", "minitrain.train_step"],
     ),
     2: ("ex02_precision", ["minitrain.precision", "minitrain.loss_scaling"]),
-    3: ("ex03_checkpointing", ["minitrain.checkpointing"]),
+    3: ("ex03_checkpointing", ["minitrain.checkpointing", "minitrain.checkpointing_cost"]),
     4: ("ex04_collectives_and_ddp", ["minitrain.collectives", "minitrain.ddp"]),
     5: ("ex05_zero", ["minitrain.zero_optimizer", "minitrain.zero"]),
     6: ("ex06_tensor_parallel", ["minitrain.tensor_parallel"]),

@@ -1,4 +1,4 @@
-"""Chapter 3 solutions — generated from minitrain.checkpointing.
+"""Chapter 3 solutions — generated from minitrain.checkpointing, minitrain.checkpointing_cost.
 
 The worked answers. Look one up when you are stuck; the library has them too.
 """
@@ -11,6 +11,7 @@ import torch
 import warnings
 from torch import nn
 from minitrain.checkpointing import _accelerators, get_rng_state, set_rng_state
+from minitrain.checkpointing_cost import POLICIES, _policy_check, policy_extra_flops, policy_saved_bytes, segment_sizes, sequential_peak_bytes
 from minitrain.memory import block_activation_bytes, model_activation_bytes
 from minitrain.model import CausalSelfAttention
 
@@ -115,4 +116,4 @@ def choose_segments(
     return min(fitting)
     ### END SOLUTION
 
-# minitrain-exercises-hash: 2b89e840a83c2049
+# minitrain-exercises-hash: 71d52882ad343279
