@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from minitrain import trace
-from minitrain.zero import _ignore_grad
 from minitrain.zero_accounting import _count, _state_tensors, bytes_sent, communication_formula, dp_memory_bytes, memory_formula, reset_bytes_sent, storage_bytes
+from minitrain.zero_buffers import _Unit, _bucket_params, _ignore_grad, _tensors, _timed, _wait
 from minitrain.zero_optimizer import _all_gather, _reduce_scatter
 
 
@@ -77,4 +77,4 @@ class ZeroDataParallel:
         # HINT: output.register_hook(fn) calls fn(grad) when the gradient of output is known
         raise NotImplementedError("exercise: write ZeroDataParallel._post_forward (see its docstring)")
 
-# minitrain-exercises-hash: 38a55bb77eae2b7b
+# minitrain-exercises-hash: b5bbbfbb79a7519f

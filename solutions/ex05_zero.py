@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from minitrain import trace
-from minitrain.zero import _ignore_grad
 from minitrain.zero_accounting import _count, _state_tensors, bytes_sent, communication_formula, dp_memory_bytes, memory_formula, reset_bytes_sent, storage_bytes
+from minitrain.zero_buffers import _Unit, _bucket_params, _ignore_grad, _tensors, _timed, _wait
 from minitrain.zero_optimizer import _all_gather, _reduce_scatter
 
 
@@ -120,4 +120,4 @@ class ZeroDataParallel:
             output.register_hook(functools.partial(_ignore_grad, self._pre_backward, index))
         ### END SOLUTION
 
-# minitrain-exercises-hash: 2d9d19284d70b2fe
+# minitrain-exercises-hash: f320d13f33c42575
