@@ -42,7 +42,7 @@ nbval: $(READY)
 
 # authors: re-execute the notebooks in place after changing them, then commit
 notebooks: $(READY)
-	$(BIN)/python -m minitrain.notebooks run
+	$(BIN)/python -m minitrain.course.notebooks run
 
 # authors: regenerate exercises/ and solutions/ from the markers in minitrain/
 exercises: $(READY)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import weakref
 from dataclasses import dataclass
 from torch import nn
+from minitrain.memory import BYTES_PER_PARAMETER
 from minitrain.model import GPTConfig, lm_loss
 
 
@@ -44,7 +45,9 @@ def estimate_training_memory(num_params: int, precision: str = "fp32") -> dict:
     So 1e9 parameters need 16e9 bytes in fp32, 20e9 mixed. "gradient_accumulation" is
     the fp32 buffer mixed precision sums low-precision gradients into before the fp32
     update; in fp32 the gradients are that buffer, so it is 0 there. Master weights are
-    0 in fp32 (the weights are already fp32). Bad input raises ValueError naming it.
+    0 in fp32 (the weights are already fp32). ``BYTES_PER_PARAMETER[precision]`` holds
+    these numbers (and those of the other recipes of chapter 2). Bad input raises
+    ValueError naming it.
     """
     if isinstance(num_params, float) and num_params.is_integer():
         num_params = int(num_params)  # 7e9 is a fine way to write seven billion
@@ -91,4 +94,4 @@ def accumulate_gradients(model, micro_batches, loss_fn=None) -> float:
     # HINT: count the targets first (targets.numel()), then backward each scaled loss
     raise NotImplementedError("exercise: write accumulate_gradients (see its docstring)")
 
-# minitrain-exercises-hash: 4d6479679bb6efc8
+# minitrain-exercises-hash: 9b99564d02462454

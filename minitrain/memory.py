@@ -21,6 +21,34 @@ import weakref
 import torch
 from torch import nn
 
+# ------------------------------------------------------------------ bytes per parameter
+# The one table of training-state bytes per parameter, with Adam (chapters 1, 2 and 5 read it).
+# fp32: 4 (weights) + 4 (gradients) + 8 (Adam's two fp32 moments) = 16.
+# mixed (Micikevicius et al. 2018): 2 (bf16/fp16 weights) + 2 (their gradients) + 4 (fp32
+#   master weights) + 8 (fp32 moments) + 4 (the fp32 buffer low-precision gradients are summed
+#   into before the update) = 20. ZeRO's paper counts 2 + 2 + K with K = 12 = master + moments.
+# bf16: everything, moments included, in bf16 and no master copy.
+# fp8: "mixed" with the weights the matmuls read cached in fp8; fp8_lean follows FP8-LM (Peng
+#   et al. 2023): fp8 weights and gradients, fp16 master weights, an fp8 first and an fp16
+#   second moment.
+BYTES_PER_PARAMETER: dict[str, dict[str, int]] = {
+    "fp32": {"weights": 4, "gradients": 4, "master": 0, "optimizer": 8, "gradient_accumulation": 0},
+    "mixed": {"weights": 2, "gradients": 2, "master": 4, "optimizer": 8, "gradient_accumulation": 4},
+    "bf16": {"weights": 2, "gradients": 2, "master": 0, "optimizer": 4, "gradient_accumulation": 0},
+    "fp8": {"weights": 1, "gradients": 2, "master": 4, "optimizer": 8, "gradient_accumulation": 4},
+    "fp8_lean": {"weights": 1, "gradients": 1, "master": 2, "optimizer": 3, "gradient_accumulation": 0},
+}
+
+
+def bytes_per_parameter(recipe: str) -> dict[str, int]:
+    """Bytes of training state per parameter for ``recipe`` (a key of ``BYTES_PER_PARAMETER``),
+    by component, plus "total"."""
+    if recipe not in BYTES_PER_PARAMETER:
+        raise ValueError(f"unknown recipe {recipe!r}; choose one of {sorted(BYTES_PER_PARAMETER)}")
+    parts = dict(BYTES_PER_PARAMETER[recipe])
+    parts["total"] = sum(parts.values())
+    return parts
+
 
 def estimate_training_memory(num_params: int, precision: str = "fp32") -> dict:
     """Bytes of model states for training ``num_params`` parameters with Adam.
@@ -33,33 +61,22 @@ def estimate_training_memory(num_params: int, precision: str = "fp32") -> dict:
     So 1e9 parameters need 16e9 bytes in fp32, 20e9 mixed. "gradient_accumulation" is
     the fp32 buffer mixed precision sums low-precision gradients into before the fp32
     update; in fp32 the gradients are that buffer, so it is 0 there. Master weights are
-    0 in fp32 (the weights are already fp32). Bad input raises ValueError naming it.
+    0 in fp32 (the weights are already fp32). ``BYTES_PER_PARAMETER[precision]`` holds
+    these numbers (and those of the other recipes of chapter 2). Bad input raises
+    ValueError naming it.
     """
     if isinstance(num_params, float) and num_params.is_integer():
         num_params = int(num_params)  # 7e9 is a fine way to write seven billion
     ### BEGIN SOLUTION
     # HINT: validate the inputs, then multiply bytes-per-parameter by num_params for each part
-    bytes_per_param = {
-        "fp32": {
-            "weights": 4,
-            "gradients": 4,
-            "master": 0,
-            "optimizer": 8,
-            "gradient_accumulation": 0,
-        },
-        "mixed": {
-            "weights": 2,
-            "gradients": 2,
-            "master": 4,
-            "optimizer": 8,
-            "gradient_accumulation": 4,
-        },
-    }
     if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params must be a non-negative int, got {num_params!r}")
-    if precision not in bytes_per_param:
-        raise ValueError(f"precision must be 'fp32' or 'mixed', got {precision!r}")
-    parts = {name: per * num_params for name, per in bytes_per_param[precision].items()}
+    if precision not in BYTES_PER_PARAMETER:
+        raise ValueError(
+            f"precision must be 'fp32' or 'mixed' (or another of {sorted(BYTES_PER_PARAMETER)}), "
+            f"got {precision!r}"
+        )
+    parts = {name: per * num_params for name, per in BYTES_PER_PARAMETER[precision].items()}
     parts["total"] = sum(parts.values())
     return parts
     ### END SOLUTION

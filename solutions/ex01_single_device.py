@@ -12,6 +12,7 @@ import torch.nn.functional as F
 import weakref
 from dataclasses import dataclass
 from torch import nn
+from minitrain.memory import BYTES_PER_PARAMETER
 from minitrain.model import GPTConfig, lm_loss
 
 
@@ -51,33 +52,22 @@ def estimate_training_memory(num_params: int, precision: str = "fp32") -> dict:
     So 1e9 parameters need 16e9 bytes in fp32, 20e9 mixed. "gradient_accumulation" is
     the fp32 buffer mixed precision sums low-precision gradients into before the fp32
     update; in fp32 the gradients are that buffer, so it is 0 there. Master weights are
-    0 in fp32 (the weights are already fp32). Bad input raises ValueError naming it.
+    0 in fp32 (the weights are already fp32). ``BYTES_PER_PARAMETER[precision]`` holds
+    these numbers (and those of the other recipes of chapter 2). Bad input raises
+    ValueError naming it.
     """
     if isinstance(num_params, float) and num_params.is_integer():
         num_params = int(num_params)  # 7e9 is a fine way to write seven billion
     ### BEGIN SOLUTION
     # HINT: validate the inputs, then multiply bytes-per-parameter by num_params for each part
-    bytes_per_param = {
-        "fp32": {
-            "weights": 4,
-            "gradients": 4,
-            "master": 0,
-            "optimizer": 8,
-            "gradient_accumulation": 0,
-        },
-        "mixed": {
-            "weights": 2,
-            "gradients": 2,
-            "master": 4,
-            "optimizer": 8,
-            "gradient_accumulation": 4,
-        },
-    }
     if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params must be a non-negative int, got {num_params!r}")
-    if precision not in bytes_per_param:
-        raise ValueError(f"precision must be 'fp32' or 'mixed', got {precision!r}")
-    parts = {name: per * num_params for name, per in bytes_per_param[precision].items()}
+    if precision not in BYTES_PER_PARAMETER:
+        raise ValueError(
+            f"precision must be 'fp32' or 'mixed' (or another of {sorted(BYTES_PER_PARAMETER)}), "
+            f"got {precision!r}"
+        )
+    parts = {name: per * num_params for name, per in BYTES_PER_PARAMETER[precision].items()}
     parts["total"] = sum(parts.values())
     return parts
     ### END SOLUTION
@@ -143,4 +133,4 @@ def accumulate_gradients(model, micro_batches, loss_fn=None) -> float:
     return mean_loss
     ### END SOLUTION
 
-# minitrain-exercises-hash: 7fc3cbeb8b7047ae
+# minitrain-exercises-hash: 546cc4364a44d3d0

@@ -1,4 +1,4 @@
-"""Chapter 2 solutions — generated from minitrain.precision, minitrain.loss_scaling.
+"""Chapter 2 solutions — generated from minitrain.precision.formats, minitrain.precision.loss_scaling, minitrain.precision.master_weights.
 
 The worked answers. Look one up when you are stuck; the library has them too.
 """
@@ -6,9 +6,7 @@ The worked answers. Look one up when you are stuck; the library has them too.
 from __future__ import annotations
 
 import math
-import sys
 import torch
-import minitrain.precision as _precision
 from dataclasses import dataclass
 from torch import nn
 
@@ -36,7 +34,7 @@ def round_significand(sig: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
 
 
 class FloatFormat:
-    # Only the methods you write; the rest of the class is in minitrain.precision.
+    # Only the methods you write; the rest of the class is in minitrain.precision.formats.
 
     def decode(self, bits: int) -> float:
         """The value of the bit pattern `bits` (an int in [0, 2**self.bits)).
@@ -69,7 +67,7 @@ class FloatFormat:
 
 
 class DynamicLossScaler:
-    # Only the methods you write; the rest of the class is in minitrain.loss_scaling.
+    # Only the methods you write; the rest of the class is in minitrain.precision.loss_scaling.
 
     def update(self) -> None:
         """Adapt S after the iteration (Micikevicius et al. 2018, section 3.2).
@@ -100,7 +98,7 @@ class DynamicLossScaler:
 
 
 class MasterWeightOptimizer:
-    # Only the methods you write; the rest of the class is in minitrain.loss_scaling.
+    # Only the methods you write; the rest of the class is in minitrain.precision.master_weights.
 
     def step(self) -> None:
         """One optimizer step on the fp32 masters, then copy them back into the model.
@@ -117,4 +115,4 @@ class MasterWeightOptimizer:
                 p.copy_(m)
         ### END SOLUTION
 
-# minitrain-exercises-hash: 052b68847e48e1f9
+# minitrain-exercises-hash: 7e7eb6c74ce1e84f

@@ -1,4 +1,4 @@
-"""Chapter 4 solutions — generated from minitrain.collectives, minitrain.ddp.
+"""Chapter 4 solutions — generated from minitrain.collectives, minitrain.ddp.bucketing, minitrain.ddp.data_parallel.
 
 The worked answers. Look one up when you are stuck; the library has them too.
 """
@@ -146,7 +146,7 @@ def assign_buckets(params: list[torch.Tensor], bucket_cap_bytes: float) -> list[
 
 
 class DataParallel:
-    # Only the methods you write; the rest of the class is in minitrain.ddp.
+    # Only the methods you write; the rest of the class is in minitrain.ddp.data_parallel.
 
     def _on_grad_ready(self, param):
         """Autograd calls this (via ``register_post_accumulate_grad_hook``, which passes the
@@ -177,4 +177,4 @@ class DataParallel:
             self._launch_ready_buckets()
         ### END SOLUTION
 
-# minitrain-exercises-hash: e42dfd37a61d22c3
+# minitrain-exercises-hash: 26353b736ab079b3

@@ -1,4 +1,4 @@
-"""Chapter 5 solutions — generated from minitrain.zero_optimizer, minitrain.zero.
+"""Chapter 5 solutions — generated from minitrain.zero.partition, minitrain.zero.optimizer, minitrain.zero.data_parallel.
 
 The worked answers. Look one up when you are stuck; the library has them too.
 """
@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from minitrain import trace
-from minitrain.zero_accounting import _count, _state_tensors, bytes_sent, communication_formula, dp_memory_bytes, memory_formula, reset_bytes_sent, storage_bytes
-from minitrain.zero_buffers import _Unit, _bucket_params, _ignore_grad, _tensors, _timed, _wait
-from minitrain.zero_optimizer import _all_gather, _reduce_scatter
+from minitrain.ddp import assign_buckets, broadcast_from_first_rank
+from minitrain.zero.accounting import count_sent, optimizer_state_tensors, storage_bytes
+from minitrain.zero.buffers import FlatUnit, all_gather_tensor, reduce_scatter_tensor, timed, wait_timed
 
 
 def partition_parameters(sizes: list[int], world_size: int) -> list[list[int]]:
@@ -38,7 +38,7 @@ def partition_parameters(sizes: list[int], world_size: int) -> list[list[int]]:
 
 
 class ShardedOptimizer:
-    # Only the methods you write; the rest of the class is in minitrain.zero_optimizer.
+    # Only the methods you write; the rest of the class is in minitrain.zero.optimizer.
 
     def step(self, closure=None):
         """The ZeRO-1 step: update this rank's share, then let every rank see all updates.
@@ -48,8 +48,8 @@ class ShardedOptimizer:
         2. ``self.optimizer.step()``: this rank's parameters only;
         3. share: every rank packs its owned parameters (``self.owned[self.rank]``, indices
            into the flat list of all parameters) into a buffer padded to the largest share,
-           one all-gather (``_all_gather``) of the N buffers, then every rank copies each
-           owner's values into its parameters. Count it: ``_count("all_gather", bytes, N)``.
+           one all-gather (``all_gather_tensor``) of the N buffers, then every rank copies each
+           owner's values into its parameters. Count it: ``count_sent("all_gather", bytes, N)``.
         Runs ``closure`` (with grad enabled) first if given and returns its loss.
         """
         ### BEGIN SOLUTION
@@ -72,8 +72,8 @@ class ShardedOptimizer:
             if flat:
                 torch.cat(flat, out=packed[: sum(f.numel() for f in flat)])
             gathered = torch.empty(width * self.world_size, dtype=ref.dtype, device=ref.device)
-            _all_gather(gathered, packed, group=self.group)
-            _count("all_gather", gathered.numel() * gathered.element_size(), self.world_size)
+            all_gather_tensor(gathered, packed, group=self.group)
+            count_sent("all_gather", gathered.numel() * gathered.element_size(), self.world_size)
             for r, owned in enumerate(self.owned):
                 offset = r * width
                 for i in owned:
@@ -85,7 +85,7 @@ class ShardedOptimizer:
 
 
 class ZeroDataParallel:
-    # Only the methods you write; the rest of the class is in minitrain.zero.
+    # Only the methods you write; the rest of the class is in minitrain.zero.data_parallel.
 
     def _pre_forward(self, index):
         """Stage 3, before block ``index``'s forward: make its parameters whole, prefetch the next.
@@ -117,7 +117,7 @@ class ZeroDataParallel:
         trace.record(f"forward block {index}", "compute", self._block_start, trace.now())
         self._free(self.units[index])
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(functools.partial(_ignore_grad, self._pre_backward, index))
+            output.register_hook(lambda grad: self._pre_backward(index))
         ### END SOLUTION
 
-# minitrain-exercises-hash: f320d13f33c42575
+# minitrain-exercises-hash: 89ea8b3b38354658

@@ -10,7 +10,6 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from torch.utils.checkpoint import checkpoint_sequential as torch_checkpoint_sequential
 from torch.utils.flop_counter import FlopCounterMode
 
-from minitrain.bench.checkpointing import LiveSavedBytes, chain_sweep, tiny_setup, track_step
 from minitrain.checkpointing import (
     checkpoint,
     checkpoint_sequential,
@@ -21,7 +20,8 @@ from minitrain.checkpointing import (
     sequential_peak_bytes,
     set_checkpointing,
 )
-from minitrain.memory import saved_activation_bytes
+from minitrain.checkpointing.measure import chain_sweep, tiny_setup, track_step
+from minitrain.memory import LiveSavedBytes, saved_activation_bytes
 from minitrain.model import GPTConfig, dropout, naive_attention, set_attention_fn
 
 

@@ -7,8 +7,9 @@ import types
 
 import pytest
 
-from minitrain import exercises, patching, point_to_point
-from minitrain.exercises import ROOT
+from minitrain import point_to_point
+from minitrain.course import exercises, patching
+from minitrain.course.exercises import ROOT
 
 
 def test_stub_keeps_signature_docstring_and_hints_but_not_the_solution():
@@ -85,7 +86,8 @@ def test_patching_rebinds_learner_code_into_the_library(tmp_path):
     (tmp_path / "ex00_point_to_point.py").write_text(LEARNER)
     script = textwrap.dedent(f"""
         import torch
-        from minitrain import patching, point_to_point
+        from minitrain import point_to_point
+        from minitrain.course import patching
         from minitrain.point_to_point import broadcast as imported_before
         patching.apply_patches({str(tmp_path)!r})
         assert point_to_point.broadcast(None) == "learner"
@@ -107,7 +109,8 @@ def test_missing_learner_function_is_not_graded_on_the_references_behalf(tmp_pat
         "def broadcast(t, src=0, group=None):\n    return t\n"
     )
     script = textwrap.dedent(f"""
-        from minitrain import patching, point_to_point
+        from minitrain import point_to_point
+        from minitrain.course import patching
         patching.apply_patches({str(tmp_path)!r})
         try:
             point_to_point.pass_the_token(None)
@@ -164,7 +167,7 @@ def test_grade_explains_how_to_start_when_there_is_nothing_to_grade(tmp_path):
 
 
 def test_plain_words():
-    from minitrain.grade import plain_words
+    from minitrain.course.grade import plain_words
 
     def info(exc):
         return types.SimpleNamespace(value=exc, typename=type(exc).__name__)

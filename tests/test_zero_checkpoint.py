@@ -14,8 +14,7 @@ from minitrain.launch import LaunchError, launch
 
 def _run(stage, steps, save_dir=None, save_at=(), load=None, offload=False, start=0):
     """Train steps [start, steps); optionally load first and save after given steps."""
-    from minitrain.zero import ZeroDataParallel
-    from minitrain.zero_checkpoint import load_checkpoint, save_checkpoint
+    from minitrain.zero import ZeroDataParallel, load_checkpoint, save_checkpoint
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(123)  # a *different* init: loading must overwrite all of it
@@ -77,7 +76,7 @@ def test_corrupt_or_foreign_shard_is_named_and_previous_checkpoint_survives(tmp_
 
     after = {f: open(os.path.join(good, f), "rb").read() for f in os.listdir(good)}
     assert after == before, "the previous checkpoint must not change"
-    from minitrain.zero_checkpoint import latest_checkpoint
+    from minitrain.zero import latest_checkpoint
 
     assert latest_checkpoint(str(tmp_path)) == bad
     whole = launch(_run, 2, 2, 6, timeout=60)[0]

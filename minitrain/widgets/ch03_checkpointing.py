@@ -9,8 +9,8 @@ measurements, it does not re-run anything.
 
 from __future__ import annotations
 
-from minitrain.bench.checkpointing import compare_policies, tiny_setup
 from minitrain.checkpointing import policy_extra_flops, policy_saved_bytes
+from minitrain.checkpointing.measure import compare_policies, tiny_setup
 
 WIDGET_POLICIES = ("none", "full", "selective", "every_k", "segments")
 

@@ -32,7 +32,7 @@ def sweep_bucket_sizes(
     Returns {"caps": caps_mb, "param_bytes": [bytes of each trainable parameter],
     "step_time": {cap: seconds}, "traces": {cap: per-rank events of one step}}.
     """
-    from minitrain.bench.ddp import QUICK_MODEL, measure
+    from minitrain.ddp.measure import QUICK_MODEL, measure
     from minitrain.model import GPT, GPTConfig
 
     config = config or QUICK_MODEL

@@ -1,9 +1,10 @@
 """Grading set-up: patch the learner's functions in, and record results for the score table.
 
-``python -m minitrain.grade`` runs pytest on this folder with two environment variables:
-MINITRAIN_EXERCISES (the folder of exNN_*.py files to grade) and MINITRAIN_GRADE_REPORT
-(where to write the results as JSON). Without them, the graded tests simply test the
-library's own reference solutions.
+``python -m minitrain.grade`` runs pytest on this folder with three environment variables:
+MINITRAIN_EXERCISES (the folder of exNN_*.py files to grade), MINITRAIN_GRADE_CHAPTERS (the
+chapters graded: only their functions are patched in, so an unfinished earlier chapter costs
+no points in a later one) and MINITRAIN_GRADE_REPORT (where to write the results as JSON).
+Without them, the graded tests simply test the library's own reference solutions.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ def pytest_configure(config):
     global _patch_error
     folder = os.environ.get("MINITRAIN_EXERCISES")
     if folder:
-        from minitrain import patching
+        from minitrain.course import patching
 
+        chosen = os.environ.get("MINITRAIN_GRADE_CHAPTERS")
+        chapters = [int(c) for c in chosen.split(",")] if chosen else None
         try:
-            patching.apply_patches(folder)
+            patching.apply_patches(folder, chapters)
         except Exception as exc:  # e.g. a SyntaxError in the learner's file
             _patch_error = f"your exercise file could not be loaded: {type(exc).__name__}: {exc}"
 
@@ -44,7 +47,7 @@ def pytest_runtest_makereport(item, call):
         points = marker.kwargs.get("points", 1) if marker else 1
         message = ""
         if report.failed:
-            from minitrain.grade import plain_words
+            from minitrain.course.grade import plain_words
 
             message = plain_words(call.excinfo) if call.excinfo else report.longreprtext[-500:]
         _results.append(

@@ -95,11 +95,11 @@ def _round_robin(sizes, world_size):
 
 
 def _sharded():
-    from minitrain import zero
-    from minitrain.zero import ShardedOptimizer
+    from minitrain.zero import ShardedOptimizer, optimizer
 
     # graded on its own: ownership from a simple rule here, not your partition_parameters
-    zero.partition_parameters = _round_robin
+    # (patched where ShardedOptimizer looks the name up: its own module's globals)
+    optimizer.partition_parameters = _round_robin
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = _Toy()

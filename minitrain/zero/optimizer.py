@@ -1,6 +1,6 @@
 """ZeRO stage 1 as a drop-in optimizer: ``ShardedOptimizer``, and how parameters are split.
 
-Used by minitrain.zero (which re-exports these names) and notebooks/05_zero.ipynb.
+Chapter 5, notebooks/05_zero.ipynb.
 Rajbhandari et al. 2020, §5.2 "P_os": each rank keeps the optimizer state of its share of
 the parameters only, steps that share, and then the ranks exchange the updated values.
 """
@@ -10,34 +10,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minitrain.zero_accounting import _count
-
-# torch 2.13 renamed the tensor collectives; older versions only have the first names
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-# --------------------------------------------------------------------------- ZeRO-1 optimizer
-def partition_parameters(sizes: list[int], world_size: int) -> list[list[int]]:
-    """Assign parameters (by index) to ranks so every rank owns about the same number of elements.
-
-    Greedy "largest first" (Graham 1969, LPT): visit the sizes from largest to smallest (ties:
-    lower index first) and give each to the rank with the fewest elements so far (ties: lower
-    rank). Returns, per rank, its indices in increasing order. Every rank must get the same
-    answer, so the rule is deterministic. E.g. sizes [4, 3, 3, 2, 2] on 2 ranks → [[0, 3, 4], [1, 2]]
-    (8 and 6 elements; the best split is 7 and 7: greedy's largest load is within 4/3 of the best).
-    """
-    ### BEGIN SOLUTION
-    # HINT: loads = [0] * world_size; min(range(world_size), key=lambda r: (loads[r], r))
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    loads, owned = [0] * world_size, [[] for _ in range(world_size)]
-    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        r = min(range(world_size), key=lambda r: (loads[r], r))
-        owned[r].append(i)
-        loads[r] += sizes[i]
-    return [sorted(o) for o in owned]
-    ### END SOLUTION
+from minitrain.zero.accounting import count_sent
+from minitrain.zero.buffers import all_gather_tensor
+from minitrain.zero.partition import partition_parameters
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -106,8 +81,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         2. ``self.optimizer.step()``: this rank's parameters only;
         3. share: every rank packs its owned parameters (``self.owned[self.rank]``, indices
            into the flat list of all parameters) into a buffer padded to the largest share,
-           one all-gather (``_all_gather``) of the N buffers, then every rank copies each
-           owner's values into its parameters. Count it: ``_count("all_gather", bytes, N)``.
+           one all-gather (``all_gather_tensor``) of the N buffers, then every rank copies each
+           owner's values into its parameters. Count it: ``count_sent("all_gather", bytes, N)``.
         Runs ``closure`` (with grad enabled) first if given and returns its loss.
         """
         ### BEGIN SOLUTION
@@ -130,8 +105,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if flat:
                 torch.cat(flat, out=packed[: sum(f.numel() for f in flat)])
             gathered = torch.empty(width * self.world_size, dtype=ref.dtype, device=ref.device)
-            _all_gather(gathered, packed, group=self.group)
-            _count("all_gather", gathered.numel() * gathered.element_size(), self.world_size)
+            all_gather_tensor(gathered, packed, group=self.group)
+            count_sent("all_gather", gathered.numel() * gathered.element_size(), self.world_size)
             for r, owned in enumerate(self.owned):
                 offset = r * width
                 for i in owned:

@@ -1,6 +1,6 @@
 """ZeRO's flat, padded buffers, and the small tools that launch and time its collectives.
 
-Used by minitrain.zero. Every group of parameters ZeRO shards ("unit": a bucket in stages
+Chapter 5, used by ZeroDataParallel (data_parallel.py) and its checkpoints. Every group of parameters ZeRO shards ("unit": a bucket in stages
 1-2, a block in stage 3) is packed into one flat buffer padded to a multiple of N, so any
 parameter size works with any world size: rank r owns the r-th equal slice, and
 reduce-scatter / all-gather move whole slices (Rajbhandari et al. 2020, §5; the padding is
@@ -10,11 +10,16 @@ under N elements per unit).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from minitrain import trace
 
+# torch 2.13 renamed the tensor collectives; older versions only have the second names
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-class _Unit:
+
+class FlatUnit:
     """Parameters packed in one flat buffer, padded to a multiple of N; rank r owns slice r.
 
     ``full`` holds every parameter (the module's parameters become views of it); ``shard`` is
@@ -49,20 +54,7 @@ class _Unit:
         return flat[self.offsets[k] : self.offsets[k + 1]]
 
 
-def _bucket_params(named, cap_bytes):
-    """Stage 1-2 buckets: parameters in reverse registration order (the order backward makes
-    their gradients), a bucket closed once it holds ≥ cap_bytes."""
-    buckets, current, size = [], [], 0
-    for name, p in reversed(named):
-        current.append((name, p))
-        size += p.numel() * p.element_size()
-        if size >= cap_bytes:
-            buckets.append(current)
-            current, size = [], 0
-    return buckets + ([current] if current else [])
-
-
-def _timed(work):
+def timed(work):
     """A launched collective plus a future of the time it *ends*: the callback runs at
     completion (not when we wait), so a prefetched gather shows its true length in the trace.
     (gloo's reduce-scatter has no future: there the end is when the wait returns.)"""
@@ -72,21 +64,7 @@ def _timed(work):
         return work, None
 
 
-def _wait(timed) -> float:
-    """Wait for a ``_timed`` collective; return when it ended."""
-    timed[0].wait()
-    return trace.now() if timed[1] is None else timed[1].wait()
-
-
-def _ignore_grad(fn, index, grad):
-    fn(index)
-
-
-def _tensors(out):
-    if isinstance(out, torch.Tensor):
-        return [out] if out.requires_grad else []
-    if isinstance(out, (list, tuple)):
-        return [t for o in out for t in _tensors(o)]
-    if isinstance(out, dict):
-        return [t for o in out.values() for t in _tensors(o)]
-    return []
+def wait_timed(launched) -> float:
+    """Wait for a collective started with ``timed``; return when it ended."""
+    launched[0].wait()
+    return trace.now() if launched[1] is None else launched[1].wait()

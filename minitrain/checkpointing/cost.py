@@ -1,6 +1,6 @@
 """What activation checkpointing costs and saves, as formulas: chapter 3's predictions.
 
-Used by minitrain.checkpointing (which re-exports these names), its benchmark and
+Chapter 3: used by the checkpointing policies, its measurements, its benchmark and
 notebooks/03_activation_checkpointing.ipynb, where every formula is set beside a
 measurement. Built on chapter 1's activation formula (``block_activation_bytes``).
 Chen et al. 2016: L layers in k segments keep (k-1) segment inputs plus one segment in
@@ -31,7 +31,8 @@ def segment_sizes(num_layers: int, segments: int) -> list[int]:
     return [base + (i >= segments - extra) for i in range(segments)]
 
 
-def _policy_check(policy, k, num_layers):
+def check_policy(policy: str, k: int, num_layers: int) -> None:
+    """Raise ValueError naming the bad value unless ``policy`` with ``k`` fits ``num_layers``."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if policy in ("every_k", "segments") and (not isinstance(k, int) or k < 1):
@@ -51,7 +52,7 @@ def policy_saved_bytes(
     attention core's s x s tensors: a s^2 b 4 (softmax) + a s^2 b 5 (dropout mask and output).
     """
     s, L = seq_len or config.seq_len, config.n_layer
-    _policy_check(policy, k, L)
+    check_policy(policy, k, L)
     b, h, a = batch, config.d_model, config.n_head
     everything = model_activation_bytes(config, b, s)
     A = block_activation_bytes(b, s, h, a, config.d_ff, config.dropout)
@@ -76,7 +77,7 @@ def policy_extra_flops(
     the 3x-forward step); selective only the 4 b s^2 h of each block.
     """
     s, L = seq_len or config.seq_len, config.n_layer
-    _policy_check(policy, k, L)
+    check_policy(policy, k, L)
     b, h, f = batch, config.d_model, config.d_ff
     attention_core = 4 * b * s * s * h
     block = 2 * b * s * (4 * h * h + 2 * h * f) + attention_core

@@ -1,6 +1,6 @@
 """ZeRO's bookkeeping: the paper's memory and communication formulas, and what was measured.
 
-Used by minitrain.zero (which re-exports these names) and notebooks/05_zero.ipynb.
+Chapter 5, notebooks/05_zero.ipynb; used by the ZeRO optimizer and wrapper.
 Rajbhandari et al. 2020, §5.2 (memory per stage) and §7 (communication volume): every
 rank counts the bytes it sends per collective with the ring cost (N-1)/N of the buffer,
 and the bytes of the tensors it keeps, so the notebook can set "measured" beside "formula".
@@ -11,11 +11,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minitrain.memory import BYTES_PER_PARAMETER
+
 # --------------------------------------------------------------------------- accounting
 _SENT = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
 
 
-def _count(kind: str, buffer_bytes: int, world: int) -> None:
+def count_sent(kind: str, buffer_bytes: int, world: int) -> None:
     """Bytes this rank sends for one collective on a buffer of ``buffer_bytes`` (the *full*
     buffer: reduce-scatter's input, all-gather's output), with the ring algorithms: each
     rank forwards every chunk but one, (N-1)/N of the buffer; all-reduce does that twice."""
@@ -38,7 +40,9 @@ def memory_formula(
 ) -> dict:
     """Bytes per rank for parameters, gradients, optimizer state (ZeRO §5.2; stage 0 = DP).
 
-    fp32 with Adam: 4 + 4 + 8 bytes per parameter; "mixed": the paper's 2 + 2 + K, K = 12.
+    fp32 with Adam: 4 + 4 + 8 bytes per parameter; "mixed": the paper's 2 + 2 + K, K = 12
+    (fp32 master + moments), from ``minitrain.memory.BYTES_PER_PARAMETER`` (the paper leaves
+    out the fp32 gradient-accumulation buffer, which a ZeRO rank needs for its shard only).
     Stage s shards the optimizer (s ≥ 1), gradients (s ≥ 2), parameters (s = 3) by N.
     ``offload`` moves the optimizer state to the host: it leaves "optimizer", appears in "host".
     """
@@ -48,7 +52,8 @@ def memory_formula(
         raise ValueError(f"stage must be 0 (plain DP), 1, 2 or 3, got {stage!r}")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-    p, g, k = (4, 4, 8) if precision == "fp32" else (2, 2, 12)
+    per = BYTES_PER_PARAMETER[precision]
+    p, g, k = per["weights"], per["gradients"], per["optimizer"] + per["master"]
     n = world_size
     out = {
         "params": p * num_params / (n if stage >= 3 else 1),
@@ -87,8 +92,9 @@ def storage_bytes(tensors) -> int:
     return total
 
 
-def _state_tensors(optimizer) -> list:
-    # per-element state (Adam's moments); 0-dim counters ("step") are a few bytes per tensor
+def optimizer_state_tensors(optimizer) -> list:
+    """The optimizer's per-element state (Adam's moments); 0-dim counters ("step") are left
+    out, a few bytes per tensor."""
     return [
         v
         for st in optimizer.state.values()
@@ -103,6 +109,6 @@ def dp_memory_bytes(module: nn.Module, optimizer) -> dict:
     return {
         "params": storage_bytes(params),
         "grads": storage_bytes(p.grad for p in params),
-        "optimizer": storage_bytes(_state_tensors(optimizer)),
+        "optimizer": storage_bytes(optimizer_state_tensors(optimizer)),
         "host": 0,
     }

@@ -1,23 +1,14 @@
-"""Training in low precision: loss scaling, fp32 master weights, bytes per parameter.
+"""Loss scaling: keep small fp16 gradients above fp16's smallest subnormal.
 
-Chapter 2, notebooks/02_floating_point_and_loss_scaling.ipynb (built on minitrain.precision).
-
-- `DynamicLossScaler` multiplies the loss by S so small fp16 gradients stay above fp16's
-  smallest subnormal, divides the gradients by S before the step, skips steps whose gradients
-  overflowed and adapts S (Micikevicius et al. 2018, "Mixed Precision Training", section 3.2;
-  the same rules as torch.amp.GradScaler, which the tests use as the oracle).
-- `MasterWeightOptimizer` keeps an fp32 copy of fp16/bf16 weights so that updates smaller than
-  half an ulp of the weight are not lost (Micikevicius et al. 2018, section 3.1).
-- `bytes_per_parameter`: the training state each recipe keeps (FP8 scaling itself is in
-  minitrain.fp8).
+Chapter 2, notebooks/02_floating_point_and_loss_scaling.ipynb. `DynamicLossScaler` multiplies
+the loss by S, divides the gradients by S before the step, skips steps whose gradients
+overflowed and adapts S (Micikevicius et al. 2018, "Mixed Precision Training", section 3.2;
+the same rules as torch.amp.GradScaler, which the tests use as the oracle).
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
-
-import minitrain.precision as _precision
 
 
 class DynamicLossScaler:
@@ -125,100 +116,3 @@ class DynamicLossScaler:
         ### END SOLUTION
         self._found_inf.clear()
         self._stepped.clear()
-
-
-def _accumulate_into_master(master: torch.Tensor, param: torch.Tensor) -> None:
-    # Called by autograd once param.grad is complete: move it into an fp32 buffer, so gradient
-    # accumulation over micro-batches happens in fp32 and the low-precision grad is freed.
-    grad = param.grad.to(torch.float32)
-    master.grad = grad if master.grad is None else master.grad.add_(grad)
-    param.grad = None
-
-
-class MasterWeightOptimizer:
-    """Mixed precision by hand: fp16/bf16 model, fp32 master weights and optimizer state.
-
-    Forward and backward run in the model's precision; each gradient is moved into an fp32
-    `.grad` on its master copy as soon as backward produces it; `step()` updates the masters
-    in fp32 with `optimizer_cls(masters, **kw)` and copies them back, rounded, to the model.
-    `param_groups` are the masters', so `DynamicLossScaler` (or torch's GradScaler) unscales
-    fp32 gradients.
-    """
-
-    def __init__(self, model: nn.Module, optimizer_cls, **kw):
-        self.model_params = [p for p in model.parameters() if p.requires_grad]
-        if not self.model_params:
-            raise ValueError(f"{type(model).__name__} has no trainable parameters")
-        self.master_params = [
-            p.detach().to(torch.float32).clone().requires_grad_(True) for p in self.model_params
-        ]
-        self.optimizer = optimizer_cls(self.master_params, **kw)
-        for p, m in zip(self.model_params, self.master_params):
-            p.register_post_accumulate_grad_hook(
-                lambda param, master=m: _accumulate_into_master(master, param)
-            )
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    def zero_grad(self) -> None:
-        for p, m in zip(self.model_params, self.master_params):
-            p.grad, m.grad = None, None
-
-    def step(self) -> None:
-        """One optimizer step on the fp32 masters, then copy them back into the model.
-
-        The masters' `.grad` already hold the fp32 gradients. After `self.optimizer.step()`,
-        write each master into its model parameter (`copy_` rounds to the model's dtype, to
-        nearest even); the master keeps the digits the low-precision copy cannot hold.
-        """
-        ### BEGIN SOLUTION
-        # HINT: self.optimizer, self.model_params, self.master_params; use torch.no_grad()
-        self.optimizer.step()
-        with torch.no_grad():
-            for p, m in zip(self.model_params, self.master_params):
-                p.copy_(m)
-        ### END SOLUTION
-
-
-# ------------------------------------------------------------------ bytes per parameter
-# Adam's training state per parameter, by component. "fp32" and "mixed" are the recipes of
-# minitrain.memory.estimate_training_memory (16 and 20 bytes). "bf16" keeps everything,
-# moments included, in bf16 with no master copy. "fp8" is "mixed" with the weights the matmuls
-# read cached in fp8; "fp8_lean" follows FP8-LM (Peng et al. 2023): fp8 weights and gradients,
-# fp16 master weights, an fp8 first and an fp16 second moment.
-RECIPES: dict[str, dict[str, int]] = {
-    "fp32": {"weights": 4, "gradients": 4, "optimizer": 8, "master": 0, "gradient_accumulation": 0},
-    "mixed": {
-        "weights": 2,
-        "gradients": 2,
-        "optimizer": 8,
-        "master": 4,
-        "gradient_accumulation": 4,
-    },
-    "bf16": {"weights": 2, "gradients": 2, "optimizer": 4, "master": 0, "gradient_accumulation": 0},
-    "fp8": {"weights": 1, "gradients": 2, "optimizer": 8, "master": 4, "gradient_accumulation": 4},
-    "fp8_lean": {
-        "weights": 1,
-        "gradients": 1,
-        "optimizer": 3,
-        "master": 2,
-        "gradient_accumulation": 0,
-    },
-}
-
-
-def bytes_per_parameter(recipe: str) -> dict[str, int]:
-    """Bytes of training state per parameter for `recipe`, by component, plus "total"."""
-    if recipe not in RECIPES:
-        raise ValueError(f"unknown recipe {recipe!r}; choose one of {sorted(RECIPES)}")
-    parts = dict(RECIPES[recipe])
-    parts["total"] = sum(parts.values())
-    return parts
-
-
-# Re-exported by minitrain.precision (see the end of that module): if this module was imported
-# first, precision skipped its import of these names to avoid a circular import.
-_precision.DynamicLossScaler = DynamicLossScaler
-_precision.MasterWeightOptimizer = MasterWeightOptimizer

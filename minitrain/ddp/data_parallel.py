@@ -14,7 +14,7 @@ Accelerating Data Parallel Training", §3.2):
    trade per-message latency (α) against overlap.
 
 ``DataParallel(bucket_cap_mb=0, overlap=False)`` etc. give the teaching variants of
-``VARIANTS``. ``communication="torch"`` uses ``dist.all_reduce(async_op=True)``;
+``VARIANTS``. Which gradients share a bucket: bucketing.py; measuring the variants: measure.py. ``communication="torch"`` uses ``dist.all_reduce(async_op=True)``;
 ``"ring"`` runs ``minitrain.collectives.ring_all_reduce`` (a learner's, when graded) on
 a helper thread so it still overlaps backward; any ``fn(tensor, group)`` works too.
 """
@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minitrain import collectives, trace
+from minitrain.ddp.bucketing import assign_buckets
 
 VARIANTS = {
     "per-parameter, after backward": dict(bucket_cap_mb=0.0, overlap=False),
@@ -39,42 +40,13 @@ VARIANTS = {
 }
 
 
-def assign_buckets(params: list[torch.Tensor], bucket_cap_bytes: float) -> list[list[int]]:
-    """Group parameters into buckets in the order their gradients become ready.
-
-    ``params`` are in registration order; backward produces gradients roughly in
-    *reverse* order, so walk them from last to first. Add each parameter to the open
-    bucket; close the bucket once it holds ≥ ``bucket_cap_bytes`` bytes (so a bucket may
-    overshoot by its last parameter: one larger than the cap closes the bucket it joins). A bucket is one flat buffer, so a parameter whose dtype or device differs
-    from the open bucket's closes that bucket first. Returns lists of indices into
-    ``params``: e.g. sizes [4, 4, 4] bytes with a cap of 8 give [[2, 1], [0]].
-    """
-    ### BEGIN SOLUTION
-    # HINT: for i in reversed(range(len(params))): bytes of a tensor = p.numel() * p.element_size()
-    buckets, current, current_bytes = [], [], 0
-    for i in reversed(range(len(params))):
-        p = params[i]
-        if current and (p.dtype, p.device) != (params[current[0]].dtype, params[current[0]].device):
-            buckets.append(current)
-            current, current_bytes = [], 0
-        current.append(i)
-        current_bytes += p.numel() * p.element_size()
-        if current_bytes >= bucket_cap_bytes:
-            buckets.append(current)
-            current, current_bytes = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
-    ### END SOLUTION
-
-
-def hidden_communication_share(events: list[trace.Event]) -> float:
-    """Fraction of the communication time (union of the "communication" events) during which
-    some "compute" event also ran: the part of the all-reduce hidden behind backward."""
-    comm = [e for e in events if e.kind == "communication"]
-    compute = [e for e in events if e.kind == "compute"]
-    total = trace.overlap_seconds(comm, comm)  # a set overlaps itself on its union
-    return trace.overlap_seconds(comm, compute) / total if total > 0 else 0.0
+def broadcast_from_first_rank(module: nn.Module, group=None) -> None:
+    """Make every rank's copy of ``module`` (parameters and buffers) equal to that of the
+    group's first rank: replicas must start equal (chapter 4's DDP, chapter 5's ZeRO)."""
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for t in list(module.parameters()) + list(module.buffers()):
+            dist.broadcast(t.data, src, group=group)
 
 
 class _Bucket:
@@ -142,10 +114,7 @@ class DataParallel(nn.Module):
         self.communication = communication
         self._params = [p for p in module.parameters() if p.requires_grad]  # deduplicated
         self._check_replicas_match()
-        with torch.no_grad():  # every replica starts from rank 0's weights
-            src = 0 if group is None else dist.get_global_rank(group, 0)
-            for t in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(t.data, src, group=group)
+        broadcast_from_first_rank(module, group)
         cap = bucket_cap_mb * 1024 * 1024
         self.buckets = [
             _Bucket(b, [self._params[i] for i in idx])

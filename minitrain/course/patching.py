@@ -1,7 +1,8 @@
 """Grading: put the functions a learner wrote in place of the library's.
 
-Used by ``python -m minitrain.grade`` (through tests/grading/conftest.py) and by
-``minitrain.launch``, which re-applies the same patches in every rank it starts. Each
+Used by ``python -m minitrain.grade`` (through tests/grading/conftest.py). The same patches
+are made again in every rank ``minitrain.launch`` starts, through the launcher's general
+hook ``add_rank_initializer`` (the runtime knows nothing of grading). Each
 function is re-bound to the *library module's* globals (``types.FunctionType(code,
 vars(module))``), so the learner's code can call the module's helpers and every caller
 inside the library — chapter 4's DDP calling ``ring_all_reduce`` — runs the learner's version.
@@ -9,6 +10,7 @@ inside the library — chapter 4's DDP calling ``ring_all_reduce`` — runs the 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import os
@@ -16,26 +18,33 @@ import sys
 import types
 from pathlib import Path
 
-from minitrain.exercises import CHAPTERS, Exercise, chapter_exercises
+from minitrain.course.exercises import CHAPTERS, Exercise, chapter_exercises
+from minitrain.launch import add_rank_initializer
 
 _active: str | None = None
 
 
 def active_patches() -> str | None:
-    """The exercise folder currently patched into the library (launch ships it to each rank)."""
+    """The exercise folder currently patched into the library, if any."""
     return _active
 
 
-def apply_patches(folder: str | os.PathLike) -> list[str]:
+def apply_patches(
+    folder: str | os.PathLike, chapters=None, in_every_rank: bool = True
+) -> list[str]:
     """Put the functions written in ``folder``/exNN_*.py in place of the library's.
 
-    Returns the qualified names patched. A function missing from the learner's file is
-    replaced by one that says so, so nothing is graded on the reference's behalf.
+    ``chapters``: only these chapters' files (default: every chapter). Returns the
+    qualified names patched. A function missing from the learner's file is replaced by one
+    that says so, so nothing is graded on the reference's behalf. ``in_every_rank``: also
+    make the same patches in every rank ``minitrain.launch`` starts from now on.
     """
     global _active
     folder = Path(folder).resolve()
     patched = []
     for chapter, (stem, _) in CHAPTERS.items():
+        if chapters is not None and chapter not in chapters:
+            continue
         path = folder / f"{stem}.py"
         exs = chapter_exercises(chapter)
         if not exs or not path.exists():
@@ -47,6 +56,11 @@ def apply_patches(folder: str | os.PathLike) -> list[str]:
         for ex in exs:
             _patch_one(ex, learner, path)
             patched.append(f"{ex.module}.{ex.qualname}")
+    if in_every_rank and _active is None:
+        chosen = None if chapters is None else sorted(chapters)
+        add_rank_initializer(
+            functools.partial(apply_patches, str(folder), chosen, in_every_rank=False)
+        )
     _active = str(folder)
     return patched
 

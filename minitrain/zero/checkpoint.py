@@ -1,6 +1,6 @@
 """Sharded checkpoints for ZeroDataParallel: every rank saves only the slice it owns.
 
-Used by notebooks/05_zero.ipynb. With ZeRO no rank holds the whole model state, so no rank
+Chapter 5, notebooks/05_zero.ipynb. With ZeRO no rank holds the whole model state, so no rank
 can write a whole checkpoint: rank r writes ``shard_r.pt`` (its parameter and optimizer
 slices plus the layout that says which elements they are), rank 0 writes ``meta.json``.
 (DeepSpeed and PyTorch's distributed checkpoint work the same way.)
@@ -64,7 +64,7 @@ def _layout(zdp) -> list[dict]:
             "numel": u.numel,
             "shard_numel": u.shard_numel,
         }
-        for u in zdp._live_units()
+        for u in zdp.live_units()
     ]
 
 
@@ -111,7 +111,7 @@ def save_checkpoint(zdp, directory: str, step: int, extra: dict | None = None) -
     payload = {
         "meta": {**meta, "rank": rank},
         # the master is the authoritative copy (equal to the shard; on the host if offloaded)
-        "shards": [u.master.detach().to("cpu", copy=True) for u in zdp._live_units()],
+        "shards": [u.master.detach().to("cpu", copy=True) for u in zdp.live_units()],
         "optimizer": zdp.optimizer.state_dict(),
         "extra": extra or {},
     }
@@ -182,7 +182,7 @@ def load_checkpoint(zdp, path: str) -> dict:
             payloads[r] = _read_shard(os.path.join(path, meta["files"][r]), meta, r)
         if not same:
             full = _unshard(meta, payloads)
-            missing = [n for u in zdp._live_units() for n in u.names if n not in full["params"]]
+            missing = [n for u in zdp.live_units() for n in u.names if n not in full["params"]]
             if missing:
                 raise CheckpointError(f"checkpoint {path} has no parameters named {missing}")
     except CheckpointError as exc:
@@ -192,13 +192,13 @@ def load_checkpoint(zdp, path: str) -> dict:
     _agree(error, group)
     with torch.no_grad():
         if same:
-            for u, saved in zip(zdp._live_units(), payloads[rank]["shards"]):
+            for u, saved in zip(zdp.live_units(), payloads[rank]["shards"]):
                 u.master.copy_(saved)
                 u.shard.copy_(saved)
             zdp.optimizer.load_state_dict(payloads[rank]["optimizer"])
         else:
             _reshard_into(zdp, full, payloads[0]["optimizer"]["param_groups"])
-        _refresh(zdp)
+        zdp.refresh_from_shards()
     return payloads[rank if same else 0]["extra"]
 
 
@@ -226,7 +226,7 @@ def _unshard(meta: dict, payloads: dict) -> dict:
 
 def _reshard_into(zdp, full: dict, param_groups: list) -> None:
     state = {}
-    for i, u in enumerate(zdp._live_units()):
+    for i, u in enumerate(zdp.live_units()):
         u.master.copy_(_my_slice(zdp, u, [full["params"][n] for n in u.names]))
         u.shard.copy_(u.master)
         keys = full["state"][u.names[0]].keys()
@@ -234,7 +234,7 @@ def _reshard_into(zdp, full: dict, param_groups: list) -> None:
         state[i].update(
             {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in full["scalars"].items()}
         )
-    groups = [{**param_groups[0], "params": list(range(len(zdp._live_units())))}]
+    groups = [{**param_groups[0], "params": list(range(len(zdp.live_units())))}]
     zdp.optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
@@ -243,15 +243,3 @@ def _my_slice(zdp, u, parts) -> torch.Tensor:
     flat = torch.cat([p.reshape(-1) for p in parts])
     flat = torch.nn.functional.pad(flat, (0, u.padded - u.numel))
     return flat[zdp.rank * u.shard_numel : (zdp.rank + 1) * u.shard_numel]
-
-
-def _refresh(zdp) -> None:
-    """Make the module's parameters match the loaded shards."""
-    from minitrain.zero import _all_gather
-
-    for u in zdp._live_units():
-        u.grad_shard, u.master.grad = None, None
-        if zdp.stage < 3:
-            _all_gather(u.full, u.shard.clone(), group=zdp.group)
-        else:
-            zdp._free(u)  # the next forward gathers the new values

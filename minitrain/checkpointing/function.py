@@ -9,10 +9,9 @@ section 5: recompute only the attention core (scores, softmax, dropout, @v), the
 that is large in memory (a s^2 b per layer) but cheap in FLOPs ("selective").
 
 - ``checkpoint(fn, *args)``: one segment, as a ``torch.autograd.Function``;
-- ``checkpoint_sequential(layers, segments, x)``: a chain split into segments;
-- ``set_checkpointing(model, policy, k)``: the policies on minitrain's GPT;
-- the formulas (bytes saved, recomputed FLOPs, peak memory, the best segment count) are
-  in minitrain.checkpointing_cost and re-exported here.
+- ``checkpoint_sequential(layers, segments, x)``: a chain split into segments.
+
+The policies on minitrain's GPT are in policies.py, the formulas in cost.py.
 """
 
 from __future__ import annotations
@@ -21,18 +20,8 @@ import contextlib
 import warnings
 
 import torch
-from torch import nn
 
-from minitrain.checkpointing_cost import (  # noqa: F401 — the formulas, re-exported
-    POLICIES,
-    _policy_check,
-    choose_segments,
-    policy_extra_flops,
-    policy_saved_bytes,
-    segment_sizes,
-    sequential_peak_bytes,
-)
-from minitrain.model import CausalSelfAttention
+from minitrain.checkpointing.cost import segment_sizes
 
 
 # ----------------------------------------------------------------------------- RNG state
@@ -173,7 +162,9 @@ def _with_autocast(fn, tensors):
 
 
 # ----------------------------------------------------------------------------- a chain
-def _run_all(layers):
+def run_in_order(layers):
+    """A function running ``layers`` one after the other (what a checkpointed segment runs)."""
+
     def run(x):
         for layer in layers:
             x = layer(x)
@@ -191,71 +182,7 @@ def checkpoint_sequential(layers, segments: int, x: torch.Tensor) -> torch.Tenso
     layers = list(layers)
     start = 0
     for i, size in enumerate(segment_sizes(len(layers), segments)):
-        run = _run_all(layers[start : start + size])
+        run = run_in_order(layers[start : start + size])
         x = run(x) if i == segments - 1 else checkpoint(run, x)
         start += size
     return x
-
-
-# ----------------------------------------------------------------------------- policies on the GPT
-class _CheckpointedAttention:
-    """An ``attention_fn`` recomputing the attention core in backward (selective)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-
-    def __call__(self, q, k, v, causal=True, dropout_p=0.0, training=False):
-        return checkpoint(self.inner, q, k, v, causal, dropout_p, training)
-
-
-def _blocks_in_groups(model, sizes, last_checkpointed):
-    """A ``run_blocks`` for the GPT: the blocks in groups of ``sizes``, each group checkpointed
-    (the last one only if ``last_checkpointed``)."""
-    blocks = list(model.blocks)
-
-    def run_blocks(x):
-        start = 0
-        for i, size in enumerate(sizes):
-            run = _run_all(blocks[start : start + size])
-            plain = i == len(sizes) - 1 and not last_checkpointed
-            x = run(x) if plain else checkpoint(run, x)
-            start += size
-        return x
-
-    return run_blocks
-
-
-def set_checkpointing(model: nn.Module, policy: str = "full", k: int = 1) -> nn.Module:
-    """Apply a checkpointing policy to a GPT in place (replacing any previous one).
-
-    - "none": store everything;
-    - "full": checkpoint every block (Korthikanti et al.'s full recomputation);
-    - "every_k": one checkpoint per group of ``k`` consecutive blocks, all groups
-      (Megatron-LM's "uniform" method); k=1 is "full";
-    - "segments": ``checkpoint_sequential`` of the blocks in ``k`` segments;
-    - "selective": recompute only the attention core of every block.
-    The model's parameters and ``state_dict`` are unchanged; ``set_checkpointing(model,
-    "none")`` undoes it.
-    """
-    if not all(hasattr(model, n) for n in ("blocks", "run_blocks")):
-        raise TypeError(f"set_checkpointing needs minitrain's GPT, got {type(model).__name__}")
-    _policy_check(policy, k, len(model.blocks))
-    model.__dict__.pop("run_blocks", None)  # an instance attribute shadows GPT.run_blocks
-    for attn in model.modules():
-        if isinstance(attn, CausalSelfAttention) and isinstance(
-            attn.attention_fn, _CheckpointedAttention
-        ):
-            attn.attention_fn = attn.attention_fn.inner
-    num_layers = len(model.blocks)
-    if policy in ("full", "every_k"):
-        size = 1 if policy == "full" else k
-        sizes = [min(size, num_layers - s) for s in range(0, num_layers, size)]
-        model.run_blocks = _blocks_in_groups(model, sizes, last_checkpointed=True)
-    elif policy == "segments":
-        sizes = segment_sizes(num_layers, k)
-        model.run_blocks = _blocks_in_groups(model, sizes, last_checkpointed=False)
-    elif policy == "selective":
-        for attn in model.modules():
-            if isinstance(attn, CausalSelfAttention):
-                attn.attention_fn = _CheckpointedAttention(attn.attention_fn)
-    return model

@@ -1,4 +1,4 @@
-"""Keep the committed notebooks fresh: ``python -m minitrain.notebooks run [paths...]``.
+"""Keep the committed notebooks fresh: ``python -m minitrain.course.notebooks run [paths...]``.
 
 Notebooks are committed *with* their outputs, and ``make test`` checks with nbval
 that re-running each one reproduces them. After changing a notebook (or the code
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the course repository
 
 
 def execute(path: Path, timeout: int = 600) -> float:
@@ -39,7 +39,7 @@ def execute(path: Path, timeout: int = 600) -> float:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minitrain.notebooks", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m minitrain.course.notebooks", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="execute notebooks in place (default: all of notebooks/)")
     run.add_argument("paths", nargs="*", type=Path)

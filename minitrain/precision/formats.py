@@ -10,14 +10,12 @@ References: IEEE 754-2019 section 3.4 (binary interchange formats) and 4.3.1
 Micikevicius et al. 2022, "FP8 Formats for Deep Learning" (E4M3 without infinities, E5M2);
 Gupta et al. 2015, "Deep Learning with Limited Numerical Precision" (stochastic rounding).
 
-The loss scaler and master weights live in minitrain.loss_scaling, FP8 scaling in minitrain.fp8;
-DynamicLossScaler and MasterWeightOptimizer are re-exported here.
+The rest of the chapter is beside this file: loss_scaling.py, master_weights.py, fp8.py.
 """
 
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -251,10 +249,3 @@ def sequential_sum(values: torch.Tensor, accumulator: FloatFormat) -> torch.Tens
     for i in range(v.shape[-1]):
         acc = accumulator.round(acc + v[..., i])
     return acc
-
-
-# The contract lists the loss scaler and master weights under minitrain.precision; they live in
-# minitrain.loss_scaling, which imports this module. Whichever of the two is imported first
-# completes the link: here if this module came first, at the end of loss_scaling otherwise.
-if "minitrain.loss_scaling" not in sys.modules:
-    from minitrain.loss_scaling import DynamicLossScaler, MasterWeightOptimizer  # noqa: E402, F401

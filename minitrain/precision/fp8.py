@@ -1,6 +1,6 @@
 """FP8 training: per-tensor scaling by amax, current and delayed, and a simulated FP8 linear layer.
 
-Chapter 2, notebooks/02_floating_point_and_loss_scaling.ipynb (built on minitrain.precision).
+Chapter 2, notebooks/02_floating_point_and_loss_scaling.ipynb (built on minitrain.precision.formats).
 Micikevicius et al. 2022, "FP8 Formats for Deep Learning": E4M3 for weights and activations,
 E5M2 for gradients, each tensor multiplied by a scale so its largest magnitude (amax) lands
 near the format's max. Delayed scaling takes the scale from an amax history of earlier steps
@@ -16,7 +16,7 @@ from collections import deque
 import torch
 from torch import nn
 
-from minitrain.precision import FP8_E4M3, FP8_E5M2, FloatFormat
+from minitrain.precision.formats import FP8_E4M3, FP8_E5M2, FloatFormat
 
 
 def amax_scale(amax: torch.Tensor, fmt: FloatFormat, margin: int = 0) -> torch.Tensor:

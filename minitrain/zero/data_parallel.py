@@ -1,6 +1,6 @@
 """ZeRO: shard optimizer state, gradients and parameters across data-parallel ranks.
 
-Used by notebooks/05_zero.ipynb. Rajbhandari et al. 2020, "ZeRO: Memory Optimizations
+Chapter 5, notebooks/05_zero.ipynb. Rajbhandari et al. 2020, "ZeRO: Memory Optimizations
 Toward Training Trillion Parameter Models" (SC'20). Plain data parallelism keeps a full
 copy of the *model states* on every rank: with Adam in mixed precision 2Ψ (fp16 weights)
 + 2Ψ (fp16 gradients) + KΨ (fp32 master, momentum, variance; K = 12) bytes. ZeRO splits
@@ -17,9 +17,9 @@ and backward) and reduce-scatters the gradients: 3Ψ (``communication_formula``)
 
 Two ways in: ``ShardedOptimizer`` (ZeRO-1 as a drop-in optimizer, used under DDP) and
 ``ZeroDataParallel`` (the data-parallel wrapper, stages 1-3, with optional CPU offload of
-the optimizer, Ren et al. 2021 "ZeRO-Offload"). Sharded checkpoints: minitrain.zero_checkpoint;
-formulas and byte counts: minitrain.zero_accounting; ZeRO-1's optimizer: minitrain.zero_optimizer;
-flat padded buffers: minitrain.zero_buffers.
+the optimizer, Ren et al. 2021 "ZeRO-Offload"). This file is ``ZeroDataParallel``; the
+package's other files: partition.py and optimizer.py (ZeRO-1), buffers.py (flat padded
+units), accounting.py (formulas and byte counts), checkpoint.py (sharded checkpoints).
 """
 
 from __future__ import annotations
@@ -31,23 +31,25 @@ import torch.distributed as dist
 from torch import nn
 
 from minitrain import trace
-from minitrain.zero_accounting import (  # noqa: F401 — re-exported: minitrain.zero.bytes_sent etc.
-    _count,
-    _state_tensors,
-    bytes_sent,
-    communication_formula,
-    dp_memory_bytes,
-    memory_formula,
-    reset_bytes_sent,
-    storage_bytes,
+from minitrain.ddp import assign_buckets, broadcast_from_first_rank
+from minitrain.zero.accounting import count_sent, optimizer_state_tensors, storage_bytes
+from minitrain.zero.buffers import (
+    FlatUnit,
+    all_gather_tensor,
+    reduce_scatter_tensor,
+    timed,
+    wait_timed,
 )
-from minitrain.zero_buffers import _bucket_params, _ignore_grad, _tensors, _timed, _Unit, _wait
-from minitrain.zero_optimizer import (  # noqa: F401 — ZeRO-1, re-exported
-    ShardedOptimizer,
-    _all_gather,
-    _reduce_scatter,
-    partition_parameters,
-)
+
+
+def _tensors_requiring_grad(out):
+    if isinstance(out, torch.Tensor):
+        return [out] if out.requires_grad else []
+    if isinstance(out, (list, tuple)):
+        return [t for o in out for t in _tensors_requiring_grad(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _tensors_requiring_grad(o)]
+    return []
 
 
 # --------------------------------------------------------------------------- ZeroDataParallel
@@ -88,15 +90,10 @@ class ZeroDataParallel(nn.Module):
             raise ValueError(
                 f"ZeroDataParallel: all parameters must share one dtype and device, got {kinds}"
             )
-        src = 0 if group is None else dist.get_global_rank(group, 0)
-        with torch.no_grad():  # replicas start from rank 0's weights
-            for t in list(module.parameters()) + list(module.buffers()):
-                dist.broadcast(t.data, src, group=group)
-        if stage < 3:
-            parts = [
-                (f"bucket {i}", b)
-                for i, b in enumerate(_bucket_params(named, bucket_cap_mb * 2**20))
-            ]
+        broadcast_from_first_rank(module, group)  # replicas start from rank 0's weights
+        if stage < 3:  # chapter 4's buckets: reverse registration order, closed at the cap
+            buckets = assign_buckets([p for _, p in named], bucket_cap_mb * 2**20)
+            parts = [(f"bucket {i}", [named[k] for k in b]) for i, b in enumerate(buckets)]
             self.blocks = []
         else:
             self.blocks = list(
@@ -113,13 +110,13 @@ class ZeroDataParallel(nn.Module):
                 parts.append((f"block {i}", mine))
             parts.append(("root", [(n, p) for n, p in named if id(p) not in taken]))
         self.units = [
-            _Unit(name, ps, self.world_size, self.rank, own_shard=stage == 3) if ps else None
+            FlatUnit(name, ps, self.world_size, self.rank, own_shard=stage == 3) if ps else None
             for name, ps in parts
         ]
         self.root = self.units[-1] if stage == 3 else None
         self.units = [u for u in self.units if u is not None] if stage < 3 else self.units
-        self._where = {p: (u, k) for u in self._live_units() for k, p in enumerate(u.params)}
-        for u in self._live_units():
+        self._where = {p: (u, k) for u in self.live_units() for k, p in enumerate(u.params)}
+        for u in self.live_units():
             host = torch.device("cpu") if offload else u.shard.device
             u.master = nn.Parameter(u.shard.detach().to(host, copy=offload))
             if stage == 1:  # p.grad are views of one flat buffer, which autograd accumulates into
@@ -129,16 +126,17 @@ class ZeroDataParallel(nn.Module):
             else:
                 for p in u.params:
                     p.register_post_accumulate_grad_hook(self._grad_hook)
-        self.optimizer = optimizer_cls([u.master for u in self._live_units()], **kw)
+        self.optimizer = optimizer_cls([u.master for u in self.live_units()], **kw)
         if stage == 3:
             for i, block in enumerate(self.blocks):
                 block.register_forward_pre_hook(functools.partial(self._pre_hook, i))
                 block.register_forward_hook(functools.partial(self._post_hook, i))
-            for u in self._live_units():
+            for u in self.live_units():
                 self._free(u)
         self._pending, self._callback_queued = [], False
 
-    def _live_units(self):
+    def live_units(self) -> list:
+        """The units that hold parameters (stage 3 may have an empty unit per block)."""
         return [u for u in self.units if u is not None]
 
     # ------------------------------------------------------------------ forward
@@ -153,7 +151,7 @@ class ZeroDataParallel(nn.Module):
         if self.root is not None:
             self._free(self.root)
         if torch.is_grad_enabled():
-            for t in _tensors(out):
+            for t in _tensors_requiring_grad(out):
                 t.register_hook(self._backward_begins)
         return out
 
@@ -166,8 +164,8 @@ class ZeroDataParallel(nn.Module):
         u.launched = trace.now()
         # .data: the collective writes through an alias with its own version counter, so the
         # tensors autograd saved (views of u.full) are not flagged as modified in place
-        u.work = _timed(_all_gather(u.full.data, u.shard, group=self.group, async_op=True))
-        _count("all_gather", u.padded * u.full.element_size(), self.world_size)
+        u.work = timed(all_gather_tensor(u.full.data, u.shard, group=self.group, async_op=True))
+        count_sent("all_gather", u.padded * u.full.element_size(), self.world_size)
         u.state = "gathering"
 
     def _wait_gather(self, u):
@@ -175,7 +173,7 @@ class ZeroDataParallel(nn.Module):
             return
         self._start_gather(u)
         if u.state == "gathering":
-            trace.record(f"gather {u.name}", "communication", u.launched, _wait(u.work))
+            trace.record(f"gather {u.name}", "communication", u.launched, wait_timed(u.work))
             u.state, u.work = "full", None
 
     def _free(self, u):
@@ -183,7 +181,7 @@ class ZeroDataParallel(nn.Module):
         if u is None or u.state == "free":
             return
         if u.state == "gathering":
-            _wait(u.work)
+            wait_timed(u.work)
         with trace.span(f"free {u.name}", "memory"):
             u.full.untyped_storage().resize_(0)
         u.state = "free"
@@ -224,7 +222,7 @@ class ZeroDataParallel(nn.Module):
         trace.record(f"forward block {index}", "compute", self._block_start, trace.now())
         self._free(self.units[index])
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(functools.partial(_ignore_grad, self._pre_backward, index))
+            output.register_hook(lambda grad: self._pre_backward(index))
         ### END SOLUTION
 
     def _pre_backward(self, index):
@@ -259,13 +257,13 @@ class ZeroDataParallel(nn.Module):
         param.grad = None
         u.ready += 1
         if u.ready == len(u.params):
-            self._launch_reduce_scatter(u)
+            self._launchreduce_scatter_tensor(u)
 
-    def _launch_reduce_scatter(self, u):
+    def _launchreduce_scatter_tensor(self, u):
         out = torch.empty_like(u.shard)
         u.launched = trace.now()
-        work = _timed(_reduce_scatter(out, u.grad_full, group=self.group, async_op=True))
-        _count("reduce_scatter", u.padded * u.grad_full.element_size(), self.world_size)
+        work = timed(reduce_scatter_tensor(out, u.grad_full, group=self.group, async_op=True))
+        count_sent("reduce_scatter", u.padded * u.grad_full.element_size(), self.world_size)
         self._pending.append((u, out, work, u.launched))
         if self.stage == 3:  # every use of its parameters in backward is done: free them
             if u.backward_start is not None:
@@ -278,18 +276,18 @@ class ZeroDataParallel(nn.Module):
         """End of backward: reduce-scatter what is left, wait for all, keep only the shards."""
         if self.stage == 2:  # (stage 3 records each block's backward instead)
             trace.record("backward", "compute", self._backward_start, trace.now())
-        for u in self._live_units():  # parameters that got no gradient contribute zeros
+        for u in self.live_units():  # parameters that got no gradient contribute zeros
             if u.ready != -1:
                 if u.grad_full is None:
                     u.grad_full = torch.zeros(u.padded, dtype=u.shard.dtype, device=u.shard.device)
-                self._launch_reduce_scatter(u)
+                self._launchreduce_scatter_tensor(u)
         for u, out, work, launched in self._pending:
-            trace.record(f"reduce-scatter {u.name}", "communication", launched, _wait(work))
+            trace.record(f"reduce-scatter {u.name}", "communication", launched, wait_timed(work))
             out.div_(self.world_size)
             u.grad_shard = out if u.grad_shard is None else u.grad_shard.add_(out)
             u.grad_full, u.ready = None, 0
         if self.stage == 3:
-            for u in self._live_units():
+            for u in self.live_units():
                 self._free(u)
         self._pending, self._callback_queued = [], False
 
@@ -298,7 +296,7 @@ class ZeroDataParallel(nn.Module):
         """Average gradients (stage 1: now, stages 2-3: done during backward), update this
         rank's shard, then (stages 1-2) all-gather the updated parameters."""
         if self.stage == 1:
-            for u in self._live_units():
+            for u in self.live_units():
                 for k, p in enumerate(u.params):  # a grad someone replaced: copy it in
                     slot = u.slot(u.grad_full, k)
                     if p.grad is None:
@@ -306,16 +304,16 @@ class ZeroDataParallel(nn.Module):
                     elif p.grad.data_ptr() != slot.data_ptr():
                         slot.copy_(p.grad.reshape(-1))
                 u.grad_shard = torch.empty_like(u.shard)
-                _reduce_scatter(u.grad_shard, u.grad_full, group=self.group)
-                _count("reduce_scatter", u.padded * u.grad_full.element_size(), self.world_size)
+                reduce_scatter_tensor(u.grad_shard, u.grad_full, group=self.group)
+                count_sent("reduce_scatter", u.padded * u.grad_full.element_size(), self.world_size)
                 u.grad_shard.div_(self.world_size)
-        for u in self._live_units():
+        for u in self.live_units():
             g = u.grad_shard if u.grad_shard is not None else torch.zeros_like(u.shard)
             u.master.grad = g.to(u.master.device, copy=self.offload)
         with trace.span("optimizer step", "compute"):
             self.optimizer.step()
         with torch.no_grad():
-            for u in self._live_units():
+            for u in self.live_units():
                 if self.offload:  # the updated slice travels back to the device
                     u.shard.copy_(u.master)
                 u.master.grad = None
@@ -323,12 +321,12 @@ class ZeroDataParallel(nn.Module):
                     u.grad_shard = None
                 if self.stage < 3:
                     t0 = trace.now()
-                    _all_gather(u.full, u.shard.clone(), group=self.group)
-                    _count("all_gather", u.padded * u.full.element_size(), self.world_size)
+                    all_gather_tensor(u.full, u.shard.clone(), group=self.group)
+                    count_sent("all_gather", u.padded * u.full.element_size(), self.world_size)
                     trace.record(f"all-gather {u.name}", "communication", t0, trace.now())
 
     def zero_grad(self, set_to_none: bool = True):
-        for u in self._live_units():
+        for u in self.live_units():
             u.grad_shard = None
             if self.stage == 1:
                 u.grad_full.zero_()
@@ -339,7 +337,7 @@ class ZeroDataParallel(nn.Module):
     def full_state_dict(self) -> dict:
         """name → full parameter (a copy), as in the wrapped module's ``named_parameters()``."""
         out = {}
-        for u in self._live_units():
+        for u in self.live_units():
             was_free = u.state == "free"
             self._wait_gather(u)
             for name, p in zip(u.names, u.params):
@@ -355,11 +353,11 @@ class ZeroDataParallel(nn.Module):
         """Bytes this rank holds now, accounted from the tensors it keeps (not from formulas):
         params (module parameters' storages + stage 3 shards), grads, optimizer state on the
         device, and "host": what offload keeps on the host (master shards + their state)."""
-        units = self._live_units()
+        units = self.live_units()
         params = [p for p in self.module.parameters()] + [u.shard for u in units]
         grads = [p.grad for p in self.module.parameters()]
         grads += [t for u in units for t in (u.grad_full, u.grad_shard)]
-        state = _state_tensors(self.optimizer)
+        state = optimizer_state_tensors(self.optimizer)
         host = state + [u.master for u in units] if self.offload else []
         return {
             "params": storage_bytes(params),
@@ -368,6 +366,17 @@ class ZeroDataParallel(nn.Module):
             "host": storage_bytes(host),
         }
 
+    def refresh_from_shards(self) -> None:
+        """Make the module's parameters match the shards (after loading a checkpoint into
+        them): stages 1-2 all-gather them now, stage 3 frees them so the next forward
+        gathers the new values. Pending gradients are dropped."""
+        for u in self.live_units():
+            u.grad_shard, u.master.grad = None, None
+            if self.stage < 3:
+                all_gather_tensor(u.full, u.shard.clone(), group=self.group)
+            else:
+                self._free(u)
+
     def padded_numel(self) -> int:
         """Ψ as stored: every unit's size rounded up to a multiple of N (the padding)."""
-        return sum(u.padded for u in self._live_units())
+        return sum(u.padded for u in self.live_units())

@@ -1,0 +1,78 @@
+"""Checkpointing policies on minitrain's GPT: which activations to forget and recompute.
+
+Chapter 3, notebooks/03_activation_checkpointing.ipynb. "full" and "every_k" checkpoint
+groups of blocks, "segments" is Chen et al. 2016's sqrt(L) split, "selective" recomputes
+only the attention core (Korthikanti et al. 2022, section 5). The GPT lets us replace its
+block loop (``run_blocks``) and each attention's ``attention_fn`` without copying the model.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from minitrain.checkpointing.cost import check_policy, segment_sizes
+from minitrain.checkpointing.function import checkpoint, run_in_order
+from minitrain.model import CausalSelfAttention
+
+
+class _CheckpointedAttention:
+    """An ``attention_fn`` recomputing the attention core in backward (selective)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, q, k, v, causal=True, dropout_p=0.0, training=False):
+        return checkpoint(self.inner, q, k, v, causal, dropout_p, training)
+
+
+def _blocks_in_groups(model, sizes, last_checkpointed):
+    """A ``run_blocks`` for the GPT: the blocks in groups of ``sizes``, each group checkpointed
+    (the last one only if ``last_checkpointed``)."""
+    blocks = list(model.blocks)
+
+    def run_blocks(x):
+        start = 0
+        for i, size in enumerate(sizes):
+            run = run_in_order(blocks[start : start + size])
+            plain = i == len(sizes) - 1 and not last_checkpointed
+            x = run(x) if plain else checkpoint(run, x)
+            start += size
+        return x
+
+    return run_blocks
+
+
+def set_checkpointing(model: nn.Module, policy: str = "full", k: int = 1) -> nn.Module:
+    """Apply a checkpointing policy to a GPT in place (replacing any previous one).
+
+    - "none": store everything;
+    - "full": checkpoint every block (Korthikanti et al.'s full recomputation);
+    - "every_k": one checkpoint per group of ``k`` consecutive blocks, all groups
+      (Megatron-LM's "uniform" method); k=1 is "full";
+    - "segments": ``checkpoint_sequential`` of the blocks in ``k`` segments;
+    - "selective": recompute only the attention core of every block.
+    The model's parameters and ``state_dict`` are unchanged; ``set_checkpointing(model,
+    "none")`` undoes it.
+    """
+    if not all(hasattr(model, n) for n in ("blocks", "run_blocks")):
+        raise TypeError(f"set_checkpointing needs minitrain's GPT, got {type(model).__name__}")
+    check_policy(policy, k, len(model.blocks))
+    model.__dict__.pop("run_blocks", None)  # an instance attribute shadows GPT.run_blocks
+    for attn in model.modules():
+        if isinstance(attn, CausalSelfAttention) and isinstance(
+            attn.attention_fn, _CheckpointedAttention
+        ):
+            attn.attention_fn = attn.attention_fn.inner
+    num_layers = len(model.blocks)
+    if policy in ("full", "every_k"):
+        size = 1 if policy == "full" else k
+        sizes = [min(size, num_layers - s) for s in range(0, num_layers, size)]
+        model.run_blocks = _blocks_in_groups(model, sizes, last_checkpointed=True)
+    elif policy == "segments":
+        sizes = segment_sizes(num_layers, k)
+        model.run_blocks = _blocks_in_groups(model, sizes, last_checkpointed=False)
+    elif policy == "selective":
+        for attn in model.modules():
+            if isinstance(attn, CausalSelfAttention):
+                attn.attention_fn = _CheckpointedAttention(attn.attention_fn)
+    return model

@@ -1,0 +1,11 @@
+"""The course machinery: exercises generated from the library, grading, notebook upkeep.
+
+The top layer: it imports the techniques, nothing below imports it. Files by role:
+
+- ``exercises.py``: ``python -m minitrain.exercises build|check|start`` — stubs and solutions
+  written from the ``### BEGIN SOLUTION`` markers in the library;
+- ``patching.py``: a learner's functions put in place of the library's, in this process and
+  (through ``minitrain.launch.add_rank_initializer``) in every rank;
+- ``grade.py``: ``python -m minitrain.grade [chapter]`` — the score table;
+- ``notebooks.py``: ``python -m minitrain.course.notebooks run`` — re-execute notebooks in place.
+"""

@@ -1,0 +1,103 @@
+"""Measuring chapter 4: step time and overlap of the DataParallel variants next to torch DDP.
+
+Used by notebooks/04_collectives_and_data_parallel.ipynb, its widget (minitrain.widgets.ch04_ddp)
+and the benchmark ``python -m minitrain.bench ddp``. The variants take turns step by step,
+so a slow moment of the machine hits them all alike; each step's time is the slowest rank's.
+torch's ``DistributedDataParallel`` runs beside them as the reference, never inside minitrain.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from minitrain import trace
+from minitrain.launch import launch
+
+
+def hidden_communication_share(events: list[trace.Event]) -> float:
+    """Fraction of the communication time (union of the "communication" events) during which
+    some "compute" event also ran: the part of the all-reduce hidden behind backward."""
+    comm = [e for e in events if e.kind == "communication"]
+    compute = [e for e in events if e.kind == "compute"]
+    total = trace.overlap_seconds(comm, comm)  # a set overlaps itself on its union
+    return trace.overlap_seconds(comm, compute) / total if total > 0 else 0.0
+
+
+TORCH_DDP = "torch DDP"
+MODEL = dict(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=256)  # 3.3 M parameters
+QUICK_MODEL = dict(vocab_size=128, seq_len=32, n_layer=2, n_head=4, d_model=128)
+
+
+def _build(name, kwargs, config, bucket_mb):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from minitrain.ddp import DataParallel
+    from minitrain.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**config))
+    if name == TORCH_DDP:
+        return DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
+    return DataParallel(model, **{"bucket_cap_mb": bucket_mb, **kwargs})
+
+
+def _rank_measure(variants, config, bucket_mb, steps, batch):
+    """Per variant: the step times (this rank) and the trace events of the last step."""
+    from minitrain.model import lm_loss
+
+    torch.manual_seed(1 + dist.get_rank())
+    models = {name: _build(name, kw, config, bucket_mb) for name, kw in variants.items()}
+    opts = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
+    x = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]))
+    y = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]))
+    times = {name: [] for name in models}
+    last_events = {}
+    for step in range(steps + 2):  # two warm-up steps
+        for name, model in models.items():
+            dist.barrier()
+            trace.reset()
+            start = time.perf_counter()
+            with trace.span("forward", "compute"):
+                loss = lm_loss(model(x), y)
+            if name == TORCH_DDP:  # torch DDP records nothing itself: time its backward whole
+                with trace.span("backward (with communication)", "compute"):
+                    loss.backward()
+            else:
+                loss.backward()  # DataParallel records backward and each bucket's all-reduce
+            with trace.span("optimizer", "compute"):
+                opts[name].step()
+                opts[name].zero_grad()
+            elapsed = time.perf_counter() - start
+            if step >= 2:
+                times[name].append(elapsed)
+            last_events[name] = trace.events()
+    n_buckets = {name: len(m.buckets) for name, m in models.items() if name != TORCH_DDP}
+    return {"times": times, "events": last_events, "buckets": n_buckets}
+
+
+def measure(
+    variants: dict,
+    config=MODEL,
+    bucket_mb: float = 1.0,
+    steps: int = 10,
+    batch: int = 2,
+    world: int = 2,
+) -> dict:
+    """Run the variants side by side on ``world`` ranks.
+
+    Returns {"step_time": {name: median over steps of the slowest rank's time},
+    "traces": {name: [events of rank r in its last step]}, "buckets": {name: count}}.
+    ``variants``: name → DataParallel keyword arguments; the name ``"torch DDP"`` means
+    torch's DistributedDataParallel.
+    """
+    res = launch(_rank_measure, world, variants, config, bucket_mb, steps, batch, timeout=600)
+    step_time = {
+        name: statistics.median(max(r["times"][name][i] for r in res) for i in range(steps))
+        for name in variants
+    }
+    traces = {name: [r["events"][name] for r in res] for name in variants}
+    return {"step_time": step_time, "traces": traces, "buckets": res[0]["buckets"]}

@@ -1,0 +1,67 @@
+"""Master weights: an fp32 copy of fp16/bf16 weights, so small updates are not lost.
+
+Chapter 2, notebooks/02_floating_point_and_loss_scaling.ipynb. An update smaller than half an
+ulp of a bf16 weight rounds away; keeping the weights (and the optimizer) in fp32 and copying
+them, rounded, into the low-precision model after each step keeps those digits (Micikevicius
+et al. 2018, "Mixed Precision Training", section 3.1).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _accumulate_into_master(master: torch.Tensor, param: torch.Tensor) -> None:
+    # Called by autograd once param.grad is complete: move it into an fp32 buffer, so gradient
+    # accumulation over micro-batches happens in fp32 and the low-precision grad is freed.
+    grad = param.grad.to(torch.float32)
+    master.grad = grad if master.grad is None else master.grad.add_(grad)
+    param.grad = None
+
+
+class MasterWeightOptimizer:
+    """Mixed precision by hand: fp16/bf16 model, fp32 master weights and optimizer state.
+
+    Forward and backward run in the model's precision; each gradient is moved into an fp32
+    `.grad` on its master copy as soon as backward produces it; `step()` updates the masters
+    in fp32 with `optimizer_cls(masters, **kw)` and copies them back, rounded, to the model.
+    `param_groups` are the masters', so `DynamicLossScaler` (or torch's GradScaler) unscales
+    fp32 gradients.
+    """
+
+    def __init__(self, model: nn.Module, optimizer_cls, **kw):
+        self.model_params = [p for p in model.parameters() if p.requires_grad]
+        if not self.model_params:
+            raise ValueError(f"{type(model).__name__} has no trainable parameters")
+        self.master_params = [
+            p.detach().to(torch.float32).clone().requires_grad_(True) for p in self.model_params
+        ]
+        self.optimizer = optimizer_cls(self.master_params, **kw)
+        for p, m in zip(self.model_params, self.master_params):
+            p.register_post_accumulate_grad_hook(
+                lambda param, master=m: _accumulate_into_master(master, param)
+            )
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def zero_grad(self) -> None:
+        for p, m in zip(self.model_params, self.master_params):
+            p.grad, m.grad = None, None
+
+    def step(self) -> None:
+        """One optimizer step on the fp32 masters, then copy them back into the model.
+
+        The masters' `.grad` already hold the fp32 gradients. After `self.optimizer.step()`,
+        write each master into its model parameter (`copy_` rounds to the model's dtype, to
+        nearest even); the master keeps the digits the low-precision copy cannot hold.
+        """
+        ### BEGIN SOLUTION
+        # HINT: self.optimizer, self.model_params, self.master_params; use torch.no_grad()
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(self.model_params, self.master_params):
+                p.copy_(m)
+        ### END SOLUTION

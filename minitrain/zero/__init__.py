@@ -1,0 +1,49 @@
+"""Chapter 5 — ZeRO: shard optimizer state, gradients and parameters across data-parallel ranks.
+
+Used by notebooks/05_zero.ipynb (Rajbhandari et al. 2020, "ZeRO"). Files by role:
+
+- ``partition.py``: ``partition_parameters``, which rank owns which parameters (ZeRO-1);
+- ``optimizer.py``: ``ShardedOptimizer``, ZeRO-1 as a drop-in optimizer under DDP;
+- ``buffers.py``: ``FlatUnit``, parameters packed into one flat buffer padded to N slices;
+- ``data_parallel.py``: ``ZeroDataParallel``, stages 1-3 with optional offload;
+- ``accounting.py``: the paper's memory and communication formulas, and the measured bytes;
+- ``checkpoint.py``: sharded, atomic checkpoints that reshard onto another world size.
+"""
+
+from minitrain.zero.accounting import (
+    bytes_sent,
+    communication_formula,
+    dp_memory_bytes,
+    memory_formula,
+    optimizer_state_tensors,
+    reset_bytes_sent,
+    storage_bytes,
+)
+from minitrain.zero.buffers import FlatUnit
+from minitrain.zero.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from minitrain.zero.data_parallel import ZeroDataParallel
+from minitrain.zero.optimizer import ShardedOptimizer
+from minitrain.zero.partition import partition_parameters
+
+__all__ = [
+    "CheckpointError",
+    "FlatUnit",
+    "ShardedOptimizer",
+    "ZeroDataParallel",
+    "bytes_sent",
+    "communication_formula",
+    "dp_memory_bytes",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "memory_formula",
+    "optimizer_state_tensors",
+    "partition_parameters",
+    "reset_bytes_sent",
+    "save_checkpoint",
+    "storage_bytes",
+]

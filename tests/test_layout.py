@@ -1,0 +1,188 @@
+"""The package's shape (docs/design.md, "Layout"): layers, public names only, no import circles.
+
+Read from the source with ``ast``, so each rule names the file and line that breaks it.
+"""
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "minitrain"
+
+# layer 1: the distributed runtime; layer 3: what is built on the techniques
+RUNTIME = {"launch", "rank", "point_to_point", "trace", "hello"}
+TOP = {"widgets", "bench", "course", "exercises", "grade"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path, module_level_only: bool):
+    """(line, imported module, names) for every import of a minitrain module in ``path``."""
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if module_level_only else ast.walk(tree)
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("minitrain"):
+                    yield node.lineno, a.name, []
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("minitrain"):
+            names = [a.name for a in node.names]
+            # `from minitrain import trace` imports the module minitrain.trace
+            subs = [f"{node.module}.{n}" for n in names if f"{node.module}.{n}" in MODULES]
+            for sub in subs:
+                yield node.lineno, sub, []
+            rest = [n for n in names if f"{node.module}.{n}" not in MODULES]
+            if rest:
+                yield node.lineno, node.module, rest
+
+
+def _layer(module: str) -> str:
+    first = module.split(".")[1] if "." in module else ""
+    if first in RUNTIME:
+        return "runtime"
+    if first in TOP:
+        return first
+    return "technique"
+
+
+def test_no_module_imports_another_modules_private_names():
+    bad = []
+    for name, path in MODULES.items():
+        for line, target, names in _imports(path, module_level_only=False):
+            private = [n for n in names if n.startswith("_")]
+            if private and target != name:
+                bad.append(
+                    f"{path.relative_to(PACKAGE.parent)}:{line} imports {private} from {target}"
+                )
+        for node in ast.walk(ast.parse(path.read_text())):  # minitrain.x._helper
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
+                base = ast.unparse(node.value)
+                if base.startswith("minitrain."):
+                    bad.append(
+                        f"{path.relative_to(PACKAGE.parent)}:{node.lineno} uses {base}.{node.attr}"
+                    )
+    assert not bad, "private names shared between modules:\n" + "\n".join(bad)
+
+
+def test_module_level_imports_form_no_circle():
+    graph = {
+        name: {
+            t for _, t, _ in _imports(path, module_level_only=True) if t in MODULES and t != name
+        }
+        for name, path in MODULES.items()
+    }
+    state: dict[str, str] = {}
+
+    def visit(node, stack):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycle = stack[stack.index(nxt) :] + [nxt]
+                pytest.fail("import circle: " + " -> ".join(cycle))
+            if nxt not in state:
+                visit(nxt, stack + [nxt])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_each_layer_imports_only_those_below_it():
+    allowed = {
+        "runtime": {"runtime"},
+        "technique": {"runtime", "technique"},
+        "widgets": {
+            "runtime",
+            "technique",
+            "widgets",
+        },  # never bench: measuring lives with techniques
+        "bench": {"runtime", "technique", "bench"},
+        "course": {"runtime", "technique", "course"},
+        "exercises": {"course"},
+        "grade": {"course"},
+    }
+    bad = []
+    for name, path in MODULES.items():
+        if name == "minitrain":
+            continue
+        for line, target, _ in _imports(path, module_level_only=False):
+            if target != "minitrain" and _layer(target) not in allowed[_layer(name)]:
+                bad.append(
+                    f"{path.relative_to(PACKAGE.parent)}:{line} ({_layer(name)}) imports "
+                    f"{target} ({_layer(target)})"
+                )
+    assert not bad, "layering broken:\n" + "\n".join(bad)
+
+
+def test_launching_ranks_imports_none_of_the_course_machinery():
+    code = textwrap.dedent(
+        """
+        import sys
+        from minitrain.launch import launch
+
+        def rank_modules():
+            return sorted(m for m in sys.modules if m.startswith(("minitrain.course", "minitrain.bench", "minitrain.widgets")))
+
+        if __name__ == "__main__":
+            ranks = launch(rank_modules, 2, timeout=60)
+            parent = rank_modules()
+            print(repr((parent, list(ranks))))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    parent, ranks = eval(out.stdout.strip().splitlines()[-1])
+    assert parent == [] and ranks == [[], []], (
+        f"course modules imported: parent {parent}, ranks {ranks}"
+    )
+
+
+def test_contract_names_import_from_their_documented_modules():
+    import importlib
+
+    contract = {
+        "minitrain.launch": ["launch", "init_from_env", "get_device", "add_rank_initializer"],
+        "minitrain.precision": [
+            "FloatFormat",
+            "FP32",
+            "FP16",
+            "BF16",
+            "FP8_E4M3",
+            "FP8_E5M2",
+            "DynamicLossScaler",
+            "MasterWeightOptimizer",
+        ],
+        "minitrain.memory": [
+            "estimate_training_memory",
+            "saved_activation_bytes",
+            "BYTES_PER_PARAMETER",
+        ],
+        "minitrain.checkpointing": ["checkpoint", "checkpoint_sequential"],
+        "minitrain.collectives": ["ring_all_reduce", "ring_reduce_scatter", "ring_all_gather"],
+        "minitrain.ddp": ["DataParallel", "assign_buckets", "broadcast_from_first_rank"],
+        "minitrain.zero": ["ShardedOptimizer", "ZeroDataParallel", "partition_parameters"],
+    }
+    for module, names in contract.items():
+        mod = importlib.import_module(module)
+        missing = [n for n in names if n not in vars(mod)]
+        assert not missing, f"{module} lacks {missing}"
