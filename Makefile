@@ -19,9 +19,13 @@ $(READY): requirements.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $(READY)
 
+# learners work in their own copies (my_notebooks/, my_exercises/: git-ignored, never
+# overwritten, new chapters added); instructors: `make lab NOTEBOOKS=notebooks`.
 # localhost only, token auth kept; --allow-root only where you are root (containers, CI)
+NOTEBOOKS ?= my_notebooks
 lab: $(READY)
-	$(BIN)/jupyter lab --notebook-dir=notebooks --ServerApp.ip=127.0.0.1 \
+	$(BIN)/python -m minitrain.exercises start
+	$(BIN)/jupyter lab --notebook-dir=$(NOTEBOOKS) --ServerApp.ip=127.0.0.1 \
 		$(if $(filter 0,$(shell id -u)),--allow-root)
 
 test: lint unit grade-verify nbval

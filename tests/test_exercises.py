@@ -68,6 +68,18 @@ def test_start_copies_stubs_once_and_never_overwrites(tmp_path):
     assert mine.read_text() == "# my work\n"
 
 
+def test_start_gives_learners_their_own_notebooks_and_keeps_them(tmp_path):
+    (tmp_path / "notebooks").mkdir()
+    (tmp_path / "notebooks" / "00_a.ipynb").write_text("{}")
+    copied = exercises.start(root=tmp_path)
+    mine = tmp_path / "my_notebooks" / "00_a.ipynb"
+    assert mine in copied and mine.read_text() == "{}"
+    mine.write_text('{"executed": "by the learner"}')
+    (tmp_path / "notebooks" / "01_b.ipynb").write_text("{}")  # a course update adds a chapter
+    assert exercises.start(root=tmp_path) == [tmp_path / "my_notebooks" / "01_b.ipynb"]
+    assert mine.read_text() == '{"executed": "by the learner"}'
+
+
 LEARNER = """
 import torch.distributed as dist
 

@@ -5,7 +5,8 @@ One source of truth: the reference answer of an exercise is the code between
 
     python -m minitrain.exercises build    # course authors: write exercises/ and solutions/
     python -m minitrain.exercises check    # CI: fail if either folder is out of date
-    python -m minitrain.exercises start    # learners: copy the stubs to my_exercises/ (once)
+    python -m minitrain.exercises start    # learners: copy the stubs to my_exercises/ and the
+                                           # notebooks to my_notebooks/ (new ones only)
 
 Grading (``python -m minitrain.grade``) then puts the learner's functions in place of
 the library's: ``minitrain.course.patching``.
@@ -270,15 +271,23 @@ def check(root: Path = ROOT) -> list[str]:
     return problems
 
 
-def start(root: Path = ROOT, target: str = "my_exercises") -> list[Path]:
-    """Copy the stubs a learner does not have yet into my_exercises/; never overwrite one."""
-    dest = root / target
-    dest.mkdir(exist_ok=True)
+def start(
+    root: Path = ROOT, target: str = "my_exercises", notebooks: str = "my_notebooks"
+) -> list[Path]:
+    """Copy what a learner does not have yet: the exercise stubs into my_exercises/, the
+    notebooks into my_notebooks/ (both git-ignored). Never overwrite a file: a learner's
+    code and a learner's executed notebook are theirs, and `git pull` cannot conflict
+    with them. Instructors and `make test` use the tracked notebooks/."""
     copied = []
-    for src in sorted((root / "exercises").glob("ex*.py")):
-        if not (dest / src.name).exists():
-            shutil.copyfile(src, dest / src.name)
-            copied.append(dest / src.name)
+    for folder, pattern, dest in (
+        ("exercises", "ex*.py", root / target),
+        ("notebooks", "*.ipynb", root / notebooks),
+    ):
+        dest.mkdir(exist_ok=True)
+        for src in sorted((root / folder).glob(pattern)):
+            if not (dest / src.name).exists():
+                shutil.copyfile(src, dest / src.name)
+                copied.append(dest / src.name)
     return copied
 
 
@@ -307,8 +316,8 @@ def main(argv=None) -> int:
         for p in copied:
             print(f"created {p.relative_to(ROOT)}")
         print(
-            "Your files are in my_exercises/ (yours: never overwritten by the course). "
-            "Grade a chapter with `python -m minitrain.grade N`."
+            "Your files are in my_exercises/ and my_notebooks/ (yours: never overwritten by "
+            "the course). Grade a chapter with `python -m minitrain.grade N`."
         )
     return 0
 
