@@ -10,7 +10,7 @@ READY  := $(VENV)/.ready
 PYTEST := $(BIN)/python -m pytest -p no:cacheprovider
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: lab test lint unit grade-verify nbval notebooks exercises clean
+.PHONY: lab test lint unit grade-verify nbval notebooks exercises mutants clean
 
 $(READY): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,11 @@ nbval: $(READY)
 # authors: re-execute the notebooks in place after changing them, then commit
 notebooks: $(READY)
 	$(BIN)/python -m minitrain.course.notebooks run
+
+# authors: apply each named known bug (tests/mutations.py) to a copy; its tests must fail.
+# Not part of `make test`: it runs the named tests once per mutation.
+mutants: $(READY)
+	$(BIN)/python tests/mutations.py
 
 # authors: regenerate exercises/ and solutions/ from the markers in minitrain/
 exercises: $(READY)

@@ -192,6 +192,30 @@ def test_sequential_peak_bytes_and_choose_segments():
         choose_segments(4, 10, 10, budget_bytes=5)
 
 
+def test_choose_segments_is_the_smallest_k_of_least_peak():
+    # ties, written out: L=6, A=c=1 peaks [6, 4, 4, 5, 5, 6]; L=3 peaks all 3;
+    # L=6, A=3, c=1 peaks [18, 10, 8, 10, 10, 8]; L=4, A=2, c=1 peaks [8, 5, 6, 5]
+    assert choose_segments(6, 1, 1) == 2
+    assert choose_segments(3, 1, 1) == 1
+    assert choose_segments(6, 3, 1) == 3
+    assert choose_segments(4, 2, 1) == 2
+    for L in range(1, 13):  # brute force over the formula, smallest k first
+        for A in range(1, 5):
+            for c in range(1, 5):
+                peaks = [sequential_peak_bytes(L, k, A, c) for k in range(1, L + 1)]
+                want = 1 + peaks.index(min(peaks))
+                assert choose_segments(L, A, c) == want, (L, A, c, peaks)
+
+
+def test_choose_segments_errors_name_the_bad_value():
+    with pytest.raises(ValueError, match="budget_bytes=149: the smallest predicted peak is 150"):
+        choose_segments(64, 10, 10, budget_bytes=149)  # k=8: 7*10 + 8*10 = 150
+    assert choose_segments(64, 10, 10, budget_bytes=150) == 8
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match=f"num_layers must be a positive int, got {bad}"):
+            choose_segments(bad, 10, 10)
+
+
 # ---------------------------------------------------------------------------- the GPT
 POLICIES = [
     ("none", 1),

@@ -259,3 +259,52 @@ def test_variants_are_the_four_of_the_notebook():
         4,
         1,
     ]
+
+
+def _no_sync_case():
+    """One accumulation step three ways on each rank: ours, torch DDP, and a plain local copy."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from minitrain import trace
+    from minitrain.ddp import DataParallel
+
+    torch.manual_seed(0)  # the same start everywhere, so the local copy is rank 0's model
+    base = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    ours = DataParallel(copy.deepcopy(base), bucket_cap_mb=0.0)
+    theirs = DDP(copy.deepcopy(base))
+    local = copy.deepcopy(base)
+    g = torch.Generator().manual_seed(10 + dist.get_rank())  # each rank its own micro-batches
+    x1, x2 = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
+    trace.reset()
+    with ours.no_sync():
+        ours(x1).square().sum().backward()
+    inside = [p.grad.clone() for p in ours.parameters()]
+    communicated_inside = [e.name for e in trace.events() if e.kind == "communication"]
+    local(x1).square().sum().backward()
+    ours(x2).square().sum().backward()  # synced: the average of the accumulated sums
+    with theirs.no_sync():
+        theirs(x1).square().sum().backward()
+    theirs(x2).square().sum().backward()
+    return (
+        inside,
+        [p.grad.clone() for p in local.parameters()],
+        communicated_inside,
+        [p.grad.clone() for p in ours.parameters()],
+        [p.grad.clone() for p in theirs.parameters()],
+    )
+
+
+def test_no_sync_leaves_local_gradients_then_averages_their_sum():
+    results = launch(_no_sync_case, 2, timeout=60)
+    for rank, (inside, local, communicated, after, torch_ddp) in enumerate(results):
+        assert communicated == [], f"rank {rank}: no_sync still all-reduced: {communicated}"
+        for mine, want in zip(inside, local):
+            torch.testing.assert_close(mine, want, rtol=1e-6, atol=1e-7)
+        for mine, want in zip(after, torch_ddp):
+            torch.testing.assert_close(mine, want, rtol=1e-5, atol=1e-6)
+    (inside0, *_), (inside1, *_) = results
+    assert any(not torch.allclose(a, b) for a, b in zip(inside0, inside1)), (
+        "inside no_sync both ranks hold the same gradient: it was averaged, not local"
+    )

@@ -186,6 +186,19 @@ def test_plain_words():
 
     assert plain_words(info(AssertionError("rank 1 is off\nassert False"))) == "rank 1 is off"
     assert plain_words(info(NotImplementedError("x"))) == "not written yet (x)"
+    # pytest.raises' jargon (as this pinned pytest words it) in plain words
+    with pytest.raises(BaseException) as no_raise:
+        with pytest.raises(ValueError):
+            pass
+    assert plain_words(no_raise) == (
+        "expected a ValueError to be raised; your function returned without one"
+    )
+    with pytest.raises(AssertionError) as no_match:
+        with pytest.raises(ValueError, match="budget"):
+            raise ValueError("nothing fits")
+    assert plain_words(no_match) == (
+        "the error's message should match 'budget'; it was 'nothing fits'"
+    )
 
 
 DEMO_LIBRARY = '''

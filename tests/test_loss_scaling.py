@@ -254,3 +254,37 @@ def test_bytes_per_parameter_agrees_with_memory_module():
     )
     with pytest.raises(ValueError, match="fp64"):
         bytes_per_parameter("fp64")
+
+
+def test_stale_delayed_scale_saturates_instead_of_overflowing():
+    # amax history says 1, the tensor now reaches 40: x * scale overshoots max 40-fold.
+    # Expected: clamp to the format's max (448 for E4M3, 57344 for E5M2, written out here),
+    # then torch's own cast. E5M2's cast alone would give inf; FP8 recipes saturate.
+    x = torch.tensor([40.0, -40.0, 1.5, -0.75, 0.0, 3.0])
+    for fmt, dtype, largest in (
+        (FP8_E4M3, torch.float8_e4m3fn, 448.0),
+        (FP8_E5M2, torch.float8_e5m2, 57344.0),
+    ):
+        d = DelayedScaling(fmt, history_len=4)
+        d(torch.tensor([1.0]))  # history [1]
+        scale = d(x)  # stale: from amax 1
+        assert scale.item() == largest
+        expected = (x * scale).clamp(-largest, largest).to(dtype).float()
+        got = quantize(x, fmt, scale)
+        assert torch.isfinite(got).all(), f"{fmt.name}: {got.tolist()} overflowed"
+        assert torch.equal(got, expected), f"{fmt.name}: {got.tolist()} != {expected.tolist()}"
+
+
+def test_quantized_linear_gradient_saturates_when_its_amax_jumps():
+    torch.manual_seed(0)
+    layer = QuantizedLinear(4, 3, bias=False, scaling="delayed")
+    x = torch.randn(2, 4, requires_grad=True)
+    layer(x).backward(torch.full((2, 3), 1e-3))  # gradient history: amax 1e-3
+    x.grad = None
+    layer(x).backward(torch.full((2, 3), 1.0))  # 1000x larger: x * scale beyond E5M2's max
+    assert torch.isfinite(x.grad).all() and torch.isfinite(layer.weight.grad).all()
+    # saturated: every output gradient became 57344 / scale = 57344 / (57344 / 1e-3) = 1e-3
+    w = layer.weight.detach()
+    sw = 448.0 / w.abs().max()
+    wq = (w * sw).to(torch.float8_e4m3fn).float() / sw
+    torch.testing.assert_close(x.grad, torch.full((2, 3), 1e-3) @ wq, rtol=1e-5, atol=0)

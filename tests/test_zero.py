@@ -202,6 +202,9 @@ def _best_max_load(sizes, world):
 def test_partition_parameters():
     assert partition_parameters([4, 3, 3, 2, 2], 2) == [[0, 3, 4], [1, 2]]  # LPT by hand
     assert partition_parameters([], 3) == [[], [], []]
+    # the docstring's tie rules by hand: equal sizes lower index first, equal loads lower rank
+    assert partition_parameters([1, 1], 2) == [[0], [1]]
+    assert partition_parameters([2, 3, 2, 3], 2) == [[0, 1], [2, 3]]  # visits 1, 3, 0, 2
     g = torch.Generator().manual_seed(0)
     for trial in range(20):
         world = 2 + trial % 3

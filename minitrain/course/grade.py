@@ -35,6 +35,14 @@ def plain_words(excinfo) -> str:
     """The first thing that went wrong, said simply (no pytest internals)."""
     exc, kind = excinfo.value, excinfo.typename
     text = str(exc)
+    # a bare pytest.raises in a graded test: its jargon said plainly (graded tests should
+    # still say what the learner's function returned, as tests/grading/test_ch03 does)
+    if kind == "Failed" and text.startswith("DID NOT RAISE"):
+        wanted = text.removeprefix("DID NOT RAISE").strip()
+        return f"expected a {wanted} to be raised; your function returned without one"
+    found = re.search(r"Expected regex: (.*)\n\s*Actual message: (.*)", text)
+    if kind == "AssertionError" and text.startswith("Regex pattern did not match") and found:
+        return f"the error's message should match {found[1]}; it was {found[2]}"[:300]
     if kind == "AssertionError":
         return (text.split("\nassert ")[0].strip() or "an assertion failed").splitlines()[0][:300]
     if kind == "NotImplementedError":

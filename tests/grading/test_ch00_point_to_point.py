@@ -1,4 +1,11 @@
-"""Graded tests of chapter 0: point-to-point messages, checked against torch's collectives."""
+"""Graded tests of chapter 0: point-to-point messages, checked against torch's collectives.
+
+The exercises say "send/recv only": a call of one of torch's collectives inside the
+learner's function is recorded (and still run, so nothing hangs) and fails the test,
+as does a byte count other than the algorithm's.
+"""
+
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -6,27 +13,70 @@ import torch.distributed as dist
 
 from minitrain.launch import launch
 
+_COLLECTIVES = (
+    "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather",
+    "scatter", "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+    "broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
+)  # fmt: skip
+
+
+@contextmanager
+def _record_calls():
+    """Inside: torch.distributed's collectives note their names in ``calls["collectives"]``
+    and sends add their bytes to ``calls["bytes_sent"]``; both still do their work."""
+    calls = {"collectives": [], "bytes_sent": 0}
+
+    def wrap(name, fn):
+        def recorded(*args, **kwargs):
+            if name in ("send", "isend"):
+                tensor = kwargs.get("tensor", args[0] if args else None)
+                calls["bytes_sent"] += tensor.numel() * tensor.element_size()
+            else:
+                calls["collectives"].append(f"dist.{name}")
+            return fn(*args, **kwargs)
+
+        return recorded
+
+    originals = {n: getattr(dist, n) for n in _COLLECTIVES + ("send", "isend") if hasattr(dist, n)}
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def _only_send_recv(exercise, calls):
+    return (
+        f"{exercise} must use only dist.send and dist.recv, but it called "
+        f"{', '.join(sorted(set(calls['collectives'])))} — torch's collective does the work "
+        "the exercise asks you to write"
+    )
+
 
 def _token_vs_all_reduce(shape):
     from minitrain.point_to_point import pass_the_token
 
     token = torch.arange(float(torch.tensor(shape).prod())).reshape(shape)
     before = token.clone()
-    mine = pass_the_token(token)
+    with _record_calls() as calls:
+        mine = pass_the_token(token)
     # Reference: torch's all_reduce of (rank + 1), added to the token.
     ref = torch.tensor(float(dist.get_rank() + 1))
     dist.all_reduce(ref)
     expected_rank0 = before + ref
     # rank r > 0 last held token + 1 + 2 + ... + (r + 1)
     partial = before + sum(range(1, dist.get_rank() + 2))
-    return mine, expected_rank0, partial, torch.equal(token, before)
+    return mine, expected_rank0, partial, torch.equal(token, before), calls
 
 
 @pytest.mark.exercise("pass_the_token", points=2)
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_pass_the_token(world_size):
     results = launch(_token_vs_all_reduce, world_size, (2, 3), timeout=30)
-    for rank, (mine, expected_rank0, partial, untouched) in enumerate(results):
+    for rank, (mine, expected_rank0, partial, untouched, calls) in enumerate(results):
+        assert not calls["collectives"], _only_send_recv("pass_the_token", calls)
         assert untouched, f"rank {rank}: pass_the_token changed its input tensor"
         want = expected_rank0 if rank == 0 else partial
         assert mine.shape == want.shape, (
@@ -44,25 +94,35 @@ def _broadcast_vs_torch(src, dtype):
     rank = dist.get_rank()
     mine = torch.full((5,), float(rank * 10 + 1), dtype=dtype)
     ref = mine.clone()
-    returned = broadcast(mine, src=src)
+    with _record_calls() as calls:
+        returned = broadcast(mine, src=src)
     dist.broadcast(ref, src=src)
-    return mine, ref, returned is mine
+    return mine, ref, returned is mine, calls
 
 
 @pytest.mark.exercise("broadcast", points=2)
 @pytest.mark.parametrize("world_size,src", [(2, 0), (3, 2), (4, 1)])
 def test_broadcast_matches_torch(world_size, src):
     results = launch(_broadcast_vs_torch, world_size, src, torch.float32, timeout=30)
-    for rank, (mine, ref, same_object) in enumerate(results):
+    for rank, (mine, ref, same_object, calls) in enumerate(results):
+        assert not calls["collectives"], _only_send_recv("broadcast", calls)
         assert torch.equal(mine, ref), (
             f"broadcast from rank {src} with {world_size} ranks: rank {rank} holds "
             f"{mine.tolist()}, torch's broadcast gives {ref.tolist()}"
         )
         assert same_object, f"rank {rank}: broadcast must fill the tensor in place and return it"
+    # every rank but the root receives the tensor (5 float32, 20 bytes) exactly once
+    sent = [calls["bytes_sent"] for *_, calls in results]
+    assert sum(sent) == (world_size - 1) * 20, (
+        f"broadcast from rank {src} with {world_size} ranks: the ranks sent {sent} bytes; "
+        f"each of the {world_size - 1} other ranks needs the 20-byte tensor once, "
+        f"{(world_size - 1) * 20} bytes in all"
+    )
 
 
 @pytest.mark.exercise("broadcast", points=1)
 def test_broadcast_integer_tensor():
     results = launch(_broadcast_vs_torch, 3, 1, torch.int64, timeout=30)
-    for rank, (mine, ref, _) in enumerate(results):
+    for rank, (mine, ref, _, calls) in enumerate(results):
+        assert not calls["collectives"], _only_send_recv("broadcast", calls)
         assert torch.equal(mine, ref), f"int64 broadcast: rank {rank} holds {mine.tolist()}"

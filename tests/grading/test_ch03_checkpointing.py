@@ -93,6 +93,14 @@ def test_backward_leaves_the_random_stream_as_it_found_it():
     )
 
 
+def _outcome(fn, *args, **kwargs):
+    """(the exception fn raised or None, what it returned): to say both in plain words."""
+    try:
+        return None, fn(*args, **kwargs)
+    except Exception as exc:
+        return exc, None
+
+
 def _brute_force(L, A, c, budget=None):
     peaks = [(k - 1) * c + math.ceil(L / k) * A for k in range(1, L + 1)]
     if budget is None:
@@ -114,5 +122,25 @@ def test_choose_segments_with_a_budget():
         got = checkpointing.choose_segments(64, 10, 10, budget_bytes=budget)
         want = _brute_force(64, 10, 10, budget)
         assert got == want, f"with budget_bytes={budget} the fewest segments that fit are {want}"
-    with pytest.raises(ValueError):
-        checkpointing.choose_segments(64, 10, 10, budget_bytes=100)  # nothing fits
+    # nothing fits: every peak is at least 150 bytes (k = 8)
+    error, returned = _outcome(checkpointing.choose_segments, 64, 10, 10, budget_bytes=100)
+    assert isinstance(error, ValueError), (
+        "choose_segments(64, 10, 10, budget_bytes=100): no segment count fits (the smallest "
+        "peak is 150 bytes), so a ValueError naming the budget was expected; your function "
+        + (f"returned {returned!r}" if error is None else f"raised {type(error).__name__}: {error}")
+    )
+    assert "100" in str(error), (
+        f"the ValueError should name the budget, 100; its message was: {error}"
+    )
+
+
+@pytest.mark.exercise("choose_segments", points=1)
+@pytest.mark.parametrize("L,A,c", [(6, 1, 1), (3, 2, 2), (6, 3, 1), (7, 1, 1), (4, 2, 1)])
+def test_choose_segments_breaks_ties_with_fewer_segments(L, A, c):
+    peaks = [(k - 1) * c + math.ceil(L / k) * A for k in range(1, L + 1)]
+    tied = [k for k, p in enumerate(peaks, start=1) if p == min(peaks)]
+    got = checkpointing.choose_segments(L, A, c)
+    assert got == tied[0], (
+        f"choose_segments({L}, {A}, {c}) returned {got}; segment counts {tied} all give the "
+        f"smallest peak, {min(peaks)} bytes, and the fewest segments ({tied[0]}) recompute least"
+    )

@@ -1,0 +1,207 @@
+"""Named mutations: known bugs, each with the tests that must catch it (`make mutants`).
+
+A test suite can pass while testing nothing (issue 12: `no_sync` made a no-op, fp8's clamp
+removed — every test still passed). Each entry of MUTATIONS below is one such bug, written
+as an exact text replacement in one file, and the pytest node ids (or files) that must fail
+once it is applied. For each mutation this script
+
+1. copies minitrain/, tests/, exercises/, solutions/ and pyproject.toml to a temp dir,
+2. replaces `old` by `new` in `file` there — `old` must occur exactly once, so an entry
+   whose code has moved fails loudly instead of silently testing nothing,
+3. checks that the copy's minitrain is the one imported (in pytest's process and in a
+   rank started by `launch`), not the editable install,
+4. runs the named tests in the copy: caught if *each* of them fails (a node id of a
+   parametrized test or a file counts as failing if one of its tests fails), NOT CAUGHT
+   if any passes — so a grader and a unit test named together must both catch the bug.
+
+The named tests are first run once on an unmutated copy: they must pass there, or a
+"caught" would mean nothing. Exit status 1 if any mutation is NOT CAUGHT or BROKEN (its
+old text not found once, the copy not the one imported, pytest unable to collect a test).
+
+Rule: every bug a later chapter finds in an earlier one becomes an entry here, with the
+test written to catch it. To add one, append a Mutation(...) to MUTATIONS.
+
+    python tests/mutations.py            # all
+    python tests/mutations.py "no_sync"  # those whose name contains the text
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parent.parent
+COPIED = ("minitrain", "tests", "exercises", "solutions", "pyproject.toml")
+
+
+class Mutation(NamedTuple):
+    name: str
+    file: str  # relative to the repository root
+    old: str  # must occur exactly once in file
+    new: str
+    tests: list[str]  # pytest node ids or files, relative to the root; each must fail
+
+
+DDP, FP8 = "minitrain/ddp/data_parallel.py", "minitrain/precision/fp8.py"
+MUTATIONS = [
+    Mutation(
+        "no_sync no-op",
+        DDP,
+        "        previous, self._sync_enabled = self._sync_enabled, False\n"
+        "        try:\n            yield\n        finally:\n            self._sync_enabled = previous\n",
+        "        yield\n",
+        ["tests/test_ddp.py::test_no_sync_leaves_local_gradients_then_averages_their_sum"],
+    ),
+    Mutation(
+        "missing fp8 clamp",
+        FP8,
+        "y = (x.float() * scale).clamp(-fmt.max, fmt.max)",
+        "y = x.float() * scale",
+        [
+            "tests/test_loss_scaling.py::test_stale_delayed_scale_saturates_instead_of_overflowing",
+            "tests/test_loss_scaling.py::test_quantized_linear_gradient_saturates_when_its_amax_jumps",
+        ],
+    ),
+    Mutation(
+        "gradient not divided by the world size",
+        DDP,
+        "torch.div(param.grad.reshape(-1), self.world_size, out=bucket.view(k))",
+        "bucket.view(k).copy_(param.grad.reshape(-1))",
+        [
+            "tests/test_ddp.py::test_rank_without_backward_does_not_hang",
+            "tests/grading/test_ch04_collectives_and_ddp.py::test_data_parallel_matches_one_process",
+        ],
+    ),
+    Mutation(
+        "ring all-reduce skips the all-gather phase",
+        "minitrain/collectives.py",
+        "    ring_all_gather(flat, mine, group)\n",
+        "",
+        ["tests/grading/test_ch04_collectives_and_ddp.py::test_ring_all_reduce"],
+    ),
+    Mutation(
+        "ZeRO-1 ownership: ties go to the highest rank",
+        "minitrain/zero/partition.py",
+        "r = min(range(world_size), key=lambda r: (loads[r], r))",
+        "r = min(range(world_size), key=lambda r: (loads[r], -r))",
+        [
+            "tests/test_zero.py::test_partition_parameters",
+            "tests/grading/test_ch05_zero.py::test_partition_parameters",
+        ],
+    ),
+    Mutation(
+        "ZeRO-1 ownership: equal sizes visited highest index first",
+        "minitrain/zero/partition.py",
+        "key=lambda i: (-sizes[i], i)",
+        "key=lambda i: (-sizes[i], -i)",
+        ["tests/test_zero.py::test_partition_parameters"],
+    ),
+    Mutation(
+        "choose_segments: ties pick the most segments",
+        "minitrain/checkpointing/cost.py",
+        "key=lambda k: (peaks[k], k))",
+        "key=lambda k: (peaks[k], -k))",
+        [
+            "tests/test_checkpointing.py::test_choose_segments_is_the_smallest_k_of_least_peak",
+            "tests/grading/test_ch03_checkpointing.py::test_choose_segments_breaks_ties_with_fewer_segments",
+        ],
+    ),
+]
+
+# Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one
+# imported, here and in a rank (the forkserver's children), or the run would test the original.
+PRECHECK = """
+import sys, minitrain
+from minitrain.launch import launch
+def where():
+    import minitrain
+    return minitrain.__file__
+found = [minitrain.__file__] + list(launch(where, 1, timeout=60))
+bad = [f for f in found if not f.startswith(sys.argv[1])]
+sys.exit(f"imported {bad}, not the copy in {sys.argv[1]}" if bad else 0)
+"""
+
+
+def _copy(dest: Path) -> None:
+    for name in COPIED:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, dest / name)
+
+
+def _run(copy: Path, args: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=f"{copy}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("MINITRAIN_EXERCISES", None)  # graded tests test the (mutated) library itself
+    return subprocess.run(
+        [sys.executable, *args], cwd=copy, env=env, capture_output=True, text=True
+    )
+
+
+def _failed(copy: Path, tests: list[str]) -> tuple[list[str], str]:
+    """Run the tests in the copy; (the named tests none of whose tests failed, summary)."""
+    args = ["-m", "pytest", "-q", "-rf", "-p", "no:cacheprovider", "--rootdir", str(copy)]
+    result = _run(copy, args + tests)
+    if result.returncode not in (0, 1):  # 2: collection error, 4: usage, 5: nothing collected
+        raise RuntimeError(
+            f"pytest exit {result.returncode}: {(result.stdout + result.stderr)[-800:]}"
+        )
+    failed = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("FAILED ")]
+    survived = [
+        t for t in tests if not any(f == t or f.startswith((t + "[", t + "::")) for f in failed)
+    ]
+    return survived, (result.stdout.strip().splitlines() or ["(no output)"])[-1]
+
+
+def check(mutation: Mutation | None, tests: list[str]) -> tuple[list[str], str]:
+    """Apply ``mutation`` (None: none) to a fresh copy and run ``tests`` there:
+    (the named tests that did not fail, pytest's summary line). Raises if it cannot run."""
+    with tempfile.TemporaryDirectory(prefix="minitrain-mutant-") as tmp:
+        copy = Path(tmp).resolve()
+        _copy(copy)
+        if mutation is not None:
+            path = copy / mutation.file
+            text = path.read_text()
+            if text.count(mutation.old) != 1:
+                raise RuntimeError(
+                    f"old text found {text.count(mutation.old)} times in {mutation.file}, "
+                    "not once: update the entry to the code as it is now"
+                )
+            path.write_text(text.replace(mutation.old, mutation.new))
+        pre = _run(copy, ["-c", PRECHECK, str(copy)])
+        if pre.returncode != 0:
+            raise RuntimeError(f"pre-check: {(pre.stderr or pre.stdout).strip()[-500:]}")
+        return _failed(copy, tests)
+
+
+def main(argv: list[str]) -> int:
+    chosen = [m for m in MUTATIONS if not argv or any(a in m.name for a in argv)]
+    every_test = sorted({t for m in chosen for t in m.tests})
+    survived, summary = check(None, every_test)
+    if set(survived) != set(every_test):  # without a mutation every named test must pass
+        print(f"baseline: named tests fail on the unmutated code ({summary})")
+        return 1
+    print(f"baseline: the {len(every_test)} named tests pass on the unmutated code ({summary})")
+    failures = 0
+    for m in chosen:
+        try:
+            survived, summary = check(m, m.tests)
+            verdict = "caught" if not survived else "NOT CAUGHT"
+            detail = summary if not survived else f"these passed: {', '.join(survived)}"
+        except RuntimeError as exc:
+            verdict, detail = "BROKEN", str(exc)
+        failures += verdict != "caught"
+        print(f"{verdict:>10}  {m.name}  ({detail})", flush=True)
+    print(f"{len(chosen) - failures} of {len(chosen)} mutations caught")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
