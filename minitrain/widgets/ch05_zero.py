@@ -3,7 +3,7 @@
 Used by notebooks/05_zero.ipynb. ``compute_zero_memory`` is the pure function behind the
 calculator (unit tested): for a model of ``num_params`` parameters on ``world_size`` ranks it
 gives each rank's bytes for parameters, gradients and optimizer state under plain data
-parallelism and ZeRO stages 1-3 (Rajbhandari et al. 2020, §5.2), in fp32 or the paper's
+parallelism and ZeRO stages 1-3 (Rajbhandari et al. 2020, §5 and Figure 1), in fp32 or the paper's
 mixed precision (K = 12), with or without optimizer offload. The bars are drawn per
 parameter (bytes/parameter per rank), so the points measured in the notebook on a small model
 (``measured``) sit on the same axis as a trillion-parameter model's formula.
