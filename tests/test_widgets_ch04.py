@@ -74,3 +74,13 @@ def test_hidden_share_is_the_median_over_steps():
     assert view["hidden_share"] == pytest.approx(0.5) and view["steps"] == 5
     assert view["hidden_quartiles"] == pytest.approx((0.25, 0.75))
     assert compute_bucket_view(sweep, math.inf)["hidden_share"] == 0.0
+
+
+def test_waiting_inside_backward_hides_nothing():
+    from minitrain.ddp import hidden_communication_share
+
+    # backward 0..10 ms; an all-reduce 6..10 ms whose launch held backward from 6 to 9 ms
+    events = [Event("backward", "compute", 0.0, 0.010),
+              Event("all-reduce bucket 0", "communication", 0.006, 0.010),
+              Event("launching all-reduce (backward waits)", "idle", 0.006, 0.009)]
+    assert hidden_communication_share(events) == pytest.approx(0.25)  # only 9..10 ms hidden

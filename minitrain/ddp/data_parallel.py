@@ -238,6 +238,9 @@ class DataParallel(nn.Module):
         if self.communication == "torch":
             work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
             bucket.wait = _torch_wait(work)
+            # "asynchronous" need not mean the caller goes on at once (gloo on a busy CPU can
+            # hold it for most of the all-reduce): backward computes nothing meanwhile
+            trace.record("launching all-reduce (backward waits)", "idle", bucket.launched_at, trace.now())
             return
         if self._executor is None:  # one helper thread: buckets stay in order
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="minitrain-ddp")

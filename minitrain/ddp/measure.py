@@ -25,12 +25,23 @@ def hidden_communication_share(events: list[trace.Event]) -> float:
     Read from one rank's trace of one step. ``DataParallel`` records backward's compute from
     its first gradient computation to its *last gradient* (not to the end-of-backward
     callback, which only waits), so an all-reduce launched by the last gradient overlaps
-    nothing: a flat bucket hides ~0 %, as it should.
+    nothing: a flat bucket hides ~0 %, as it should. "idle" events inside backward (a launch
+    call that held the caller) are taken out of compute: backward computed nothing then.
     """
     comm = [e for e in events if e.kind == "communication"]
     compute = [e for e in events if e.kind == "compute"]
+    # time inside a compute span during which the rank was in fact waiting ("idle" events,
+    # e.g. a launch call that blocks) hides nothing: take it out of compute
+    idle = [e for e in events if e.kind == "idle"]
+    waiting = [
+        trace.Event("waiting", "idle", max(k.start, i.start), min(k.end, i.end))
+        for k in compute
+        for i in idle
+        if min(k.end, i.end) > max(k.start, i.start)
+    ]
     total = trace.overlap_seconds(comm, comm)  # a set overlaps itself on its union
-    return trace.overlap_seconds(comm, compute) / total if total > 0 else 0.0
+    hidden = trace.overlap_seconds(comm, compute) - trace.overlap_seconds(comm, waiting)
+    return hidden / total if total > 0 else 0.0
 
 
 def hidden_share_per_step(step_traces: list[list[list[trace.Event]]]) -> list[float]:
