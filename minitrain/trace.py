@@ -131,6 +131,7 @@ def plot_timeline(traces: list[list[Event]], ax=None, title: str | None = None):
     ax.set_yticklabels([f"rank {r}" for r in range(len(traces))])
     ax.invert_yaxis()
     ax.set_xlabel("time (ms)")
+    ax.set_ylabel("process (rank)")
     if title:
         ax.set_title(title)
     ax.legend(

@@ -15,6 +15,7 @@ from minitrain.checkpointing import (
     checkpoint_sequential,
     choose_segments,
     policy_extra_flops,
+    policy_peak_bytes,
     policy_saved_bytes,
     segment_sizes,
     sequential_peak_bytes,
@@ -275,6 +276,26 @@ def test_policy_bytes_by_hand():
     )
     # full recomputation is one extra forward of the blocks: 2 b s (12 h^2) + 4 b s^2 h each
     assert policy_extra_flops(cfg, b, "full") == 2 * (2 * b * s * 12 * h * h + 4 * b * s * s * h)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(n_layer=5, batch=4, dropout=0.1),
+        # long sequence, no dropout: selective's peak is in backward (the recomputed core)
+        dict(n_layer=3, batch=2, dropout=0.0, seq_len=128, d_model=32, n_head=4),
+        dict(n_layer=4, batch=2, dropout=0.1, seq_len=128, d_model=32, n_head=2),
+    ],
+)
+def test_policy_peak_bytes_is_the_measured_peak(config):
+    model, idx, targets = tiny_setup(**config)
+    cases = [("none", 1), ("full", 1), ("every_k", 2), ("every_k", 3), ("selective", 1),
+             ("segments", 2), ("segments", 3)]
+    for policy, k in cases:
+        measured = track_step(set_checkpointing(copy.deepcopy(model), policy, k), idx, targets).peak
+        predicted = policy_peak_bytes(model.config, idx.shape[0], policy, k)
+        assert predicted == measured, (config, policy, k, predicted, measured)
+        assert predicted >= policy_saved_bytes(model.config, idx.shape[0], policy, k)
 
 
 def test_set_checkpointing_is_reversible_and_validates(gpt):

@@ -109,3 +109,18 @@ def test_loss_scale_widget_updates_fraction():
         f"{compute_gradient_histogram(grads, 2.0**16, FP16)['flushed_fraction']:.2%}"
         in status.value
     )
+
+
+def test_float_explorer_labels_every_bit():
+    from minitrain.precision import FP16
+    from minitrain.widgets.ch02_precision import bit_fields
+
+    assert bit_fields(FP16)[:2] == [("sign", 15), ("exponent", 14)]
+    assert bit_fields(FP16)[5:7] == [("exponent", 10), ("mantissa", 9)] and bit_fields(FP16)[-1] == ("mantissa", 0)
+    widget = build_float_explorer("fp16", 1.0)
+    bit_row, status = widget.children[1], widget.children[2]
+    assert [b.description for b in bit_row.children] == [str(i) for i in range(15, -1, -1)]
+    assert bit_row.children[0].tooltip == "sign bit 15"
+    assert bit_row.children[1].tooltip == "exponent bit 14" and bit_row.children[-1].tooltip == "mantissa bit 0"
+    assert "sign" in status.value and "exponent" in status.value and "mantissa" in status.value
+

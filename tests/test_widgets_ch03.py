@@ -63,3 +63,26 @@ def test_widget_redraws_when_the_controls_move(data):
     assert readout.value != first and "segments(3)" in readout.value
     chooser.value = "selective"
     assert "selective" in readout.value
+
+
+def test_k_slider_is_disabled_for_policies_without_k(data):
+    widget = build_checkpointing_widget(data, policy="full", k=2)
+    chooser, slider = widget.children[0].children
+    assert slider.disabled
+    for policy in ("every_k", "segments"):
+        chooser.value = policy
+        assert not slider.disabled, policy
+    for policy in ("none", "full", "selective"):
+        chooser.value = policy
+        assert slider.disabled, policy
+
+
+def test_view_predicts_the_measured_peak(data):
+    for policy in ("none", "full", "selective", "every_k", "segments"):
+        for k in (1, 2, 3):
+            view = compute_checkpointing_view(data, policy, k)
+            assert view["peak"] == view["peak_predicted"], (policy, k)
+    curves = compute_checkpointing_view(data, "segments", 2)["curves"]
+    assert curves["segments_peak"] == curves["segments_peak_predicted"]
+    assert curves["every_k_peak"] == curves["every_k_peak_predicted"]
+

@@ -50,3 +50,37 @@ def test_widget_updates_headlessly():
     slider.value = math.inf
     assert "14.0 ms" in summary.value and "1</b> buckets" in summary.value
     assert bytes(image.value) != before[1]
+
+
+def test_hidden_share_is_the_median_over_steps():
+    from minitrain.ddp import hidden_share_per_step, summarize_shares
+
+    def step(c0, c1):  # backward computes 0..10 ms; one all-reduce c0..c1 on both ranks
+        events = [Event("backward", "compute", 0.0, 0.010),
+                  Event("all-reduce bucket 0", "communication", c0, c1)]
+        return [events, events]
+
+    # hidden 50 %, 0 %, 100 %, 25 %, 75 % in five steps
+    steps = [step(0.008, 0.012), step(0.010, 0.014), step(0.002, 0.006), step(0.009, 0.013),
+             step(0.007, 0.011)]
+    shares = hidden_share_per_step(steps)
+    assert shares == pytest.approx([0.5, 0.0, 1.0, 0.25, 0.75])
+    spread = summarize_shares(shares)
+    assert spread["median"] == pytest.approx(0.5) and spread["steps"] == 5
+    assert (spread["q1"], spread["q3"]) == pytest.approx((0.25, 0.75))
+    sweep = _sweep()
+    sweep["step_traces"] = {1.0: steps, math.inf: [step(0.010, 0.014)] * 3}
+    view = compute_bucket_view(sweep, 1.0)
+    assert view["hidden_share"] == pytest.approx(0.5) and view["steps"] == 5
+    assert view["hidden_quartiles"] == pytest.approx((0.25, 0.75))
+    assert compute_bucket_view(sweep, math.inf)["hidden_share"] == 0.0
+
+
+def test_waiting_inside_backward_hides_nothing():
+    from minitrain.ddp import hidden_communication_share
+
+    # backward 0..10 ms; an all-reduce 6..10 ms whose launch held backward from 6 to 9 ms
+    events = [Event("backward", "compute", 0.0, 0.010),
+              Event("all-reduce bucket 0", "communication", 0.006, 0.010),
+              Event("launching all-reduce (backward waits)", "idle", 0.006, 0.009)]
+    assert hidden_communication_share(events) == pytest.approx(0.25)  # only 9..10 ms hidden

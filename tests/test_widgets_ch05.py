@@ -70,3 +70,22 @@ def test_widget_updates_headlessly():
     assert "8.12 bytes/parameter" in status.value  # 4 + 4 + 8/64
     offload.value = True
     assert "on the host" in status.value
+
+
+def test_offload_leaves_plain_data_parallelism_alone():
+    from minitrain.widgets.ch05_zero import compute_zero_memory, describe
+
+    view = compute_zero_memory(10**9, 8, 0, "mixed", offload=True)
+    plain = compute_zero_memory(10**9, 8, 0, "mixed", offload=False)
+    assert view["stages"][0] == plain["stages"][0] and view["stages"][0]["host"] == 0
+    assert view["stages"][1]["optimizer"] == 0 and view["stages"][1]["host"] > 0
+    assert view["saving"] == 1.0 and "ZeRO stages only" in describe(view)
+
+
+def test_parameters_slider_offers_exact_model_sizes():
+    box = build_zero_memory_widget()
+    params, status = box.children[0].children[0], box.children[3]
+    assert params.value == 7_500_000_000 and "7.5e+09 parameters" in status.value
+    params.value = 175_000_000_000
+    assert "1.75e+11 parameters" in status.value
+

@@ -16,7 +16,14 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from minitrain.ddp.measure import MODEL, QUICK_MODEL, TORCH_DDP, hidden_communication_share, measure
+from minitrain.ddp.measure import (
+    MODEL,
+    QUICK_MODEL,
+    TORCH_DDP,
+    hidden_communication_share,
+    measure,
+    summarize_shares,
+)
 
 
 def all_variants() -> dict:
@@ -32,15 +39,23 @@ def all_variants() -> dict:
 def report(result: dict) -> str:
     base = result["step_time"][TORCH_DDP]
     lines = [
-        f"{'variant':<30} {'step (ms)':>9} {'vs torch DDP':>12} {'buckets':>7} {'comm hidden':>11}"
+        f"{'variant':<30} {'step (ms)':>9} {'vs torch DDP':>12} {'buckets':>7} "
+        f"{'comm hidden: median (quartiles)':>32}"
     ]
     for name, t in result["step_time"].items():
         buckets = result["buckets"].get(name, "")
         hidden = ""
         if name != TORCH_DDP:
-            shares = [hidden_communication_share(evs) for evs in result["traces"][name]]
-            hidden = f"{100 * statistics.mean(shares):5.0f} %"
-        lines.append(f"{name:<30} {t * 1e3:9.1f} {t / base:11.2f}x {buckets!s:>7} {hidden:>11}")
+            if "hidden_shares" in result:
+                shares = result["hidden_shares"][name]
+            else:  # one step's traces only
+                shares = [statistics.mean(hidden_communication_share(e) for e in result["traces"][name])]
+            st = summarize_shares(shares)
+            hidden = (
+                f"{100 * st['median']:3.0f} % ({100 * st['q1']:3.0f}-{100 * st['q3']:3.0f} %, "
+                f"{st['steps']} steps)"
+            )
+        lines.append(f"{name:<30} {t * 1e3:9.1f} {t / base:11.2f}x {buckets!s:>7} {hidden:>32}")
     ratio = result["step_time"]["bucketed, overlapped"] / base
     lines.append(
         f"target bucketed <= 1.15x torch DDP: {'met' if ratio <= 1.15 else 'NOT met'} "

@@ -67,6 +67,52 @@ def policy_saved_bytes(
     return everything - L * core
 
 
+def policy_peak_bytes(
+    config, batch: int, policy: str, k: int = 1, seq_len: int | None = None
+) -> int:
+    """Peak of the bytes held for backward through a whole step under ``policy`` (fp32).
+
+    The bytes saved at the end of forward (``policy_saved_bytes``) are one candidate; the
+    other is the moment in backward when a checkpointed part has just been recomputed.
+    By then backward has released everything saved after that part (the head and loss, the
+    later blocks), and the recomputed part's first op saves its input again in the very
+    storage the checkpoint kept (counted once). With E the embedding's saved bytes (token
+    ids, positions, dropout mask), c = 4 b s h one block input and A one block's bytes:
+
+    - "full" / "every_k", groups g_1..g_m: recomputing group j holds E + j c + g_j A - c;
+    - "segments", sizes n_1..n_k: recomputing segment j < k holds E + j c + n_j A - c;
+    - "selective": recomputing the last block's attention core holds what forward saved
+      minus the head and loss (H) and minus what that block saved after the core (its out
+      projection, LayerNorm, MLP and residual-dropout inputs: 11 s b h e + 8 s b, + 2 s b h
+      with dropout), plus the recomputed core: the a s^2 b (4 + 5) of the probabilities and
+      their dropout, and 3 s b h e of contiguous q, k, v copies.
+
+    The peak is the larger of the end of forward and the largest of those moments.
+    """
+    s, L = seq_len or config.seq_len, config.n_layer
+    check_policy(policy, k, L)
+    b, h, a = batch, config.d_model, config.n_head
+    end_of_forward = policy_saved_bytes(config, b, policy, k, s)
+    if policy == "none":
+        return end_of_forward
+    A = block_activation_bytes(b, s, h, a, config.d_ff, config.dropout)
+    c = 4 * b * s * h
+    embed = 8 * b * s + 8 * s + (b * s * h if config.dropout > 0 else 0)
+    if policy in ("full", "every_k"):
+        size = 1 if policy == "full" else k
+        groups = [min(size, L - start) for start in range(0, L, size)]
+        moments = [embed + j * c + g * A - c for j, g in enumerate(groups, start=1)]
+    elif policy == "segments":
+        sizes = segment_sizes(L, k)[:-1]  # the last segment is not recomputed
+        moments = [embed + j * c + n * A - c for j, n in enumerate(sizes, start=1)]
+    else:
+        head_and_loss = model_activation_bytes(config, b, s) - embed - L * A
+        after_core = 11 * 4 * b * s * h + 8 * b * s + (2 * b * s * h if config.dropout > 0 else 0)
+        core = a * s * s * b * (4 + (5 if config.dropout > 0 else 0))
+        moments = [end_of_forward - head_and_loss - after_core + core + 3 * 4 * b * s * h]
+    return max([end_of_forward, *moments])
+
+
 def policy_extra_flops(
     config, batch: int, policy: str, k: int = 1, seq_len: int | None = None
 ) -> int:

@@ -10,7 +10,11 @@ Used by notebooks/04_collectives_and_data_parallel.ipynb. Files by role:
 
 from minitrain.ddp.bucketing import assign_buckets
 from minitrain.ddp.data_parallel import VARIANTS, DataParallel, broadcast_from_first_rank
-from minitrain.ddp.measure import hidden_communication_share
+from minitrain.ddp.measure import (
+    hidden_communication_share,
+    hidden_share_per_step,
+    summarize_shares,
+)
 
 __all__ = [
     "VARIANTS",
@@ -18,4 +22,6 @@ __all__ = [
     "assign_buckets",
     "broadcast_from_first_rank",
     "hidden_communication_share",
+    "hidden_share_per_step",
+    "summarize_shares",
 ]

@@ -144,6 +144,7 @@ class DataParallel(nn.Module):
 
     def _reset_step(self):
         self._ready = set()
+        self._last_gradient_at = None
         self._next_bucket = 0
         self._needs_sync = False
         self._callback_queued = False
@@ -177,6 +178,10 @@ class DataParallel(nn.Module):
     def _grad_hook(self, param):
         # looked up at call time, so a grader's patched _on_grad_ready is the one that runs
         self._on_grad_ready(param)
+        # the last gradient produced ends backward's compute: what autograd does between it
+        # and the end-of-backward callback is bookkeeping, and counting it as compute made
+        # the "hidden" share of a bucket launched by the last gradient swing from run to run
+        self._last_gradient_at = trace.now()
 
     def _start_sync(self):
         """Called by the first gradient of a backward: arrange the end-of-backward callback."""
@@ -233,6 +238,9 @@ class DataParallel(nn.Module):
         if self.communication == "torch":
             work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
             bucket.wait = _torch_wait(work)
+            # "asynchronous" need not mean the caller goes on at once (gloo on a busy CPU can
+            # hold it for most of the all-reduce): backward computes nothing meanwhile
+            trace.record("launching all-reduce (backward waits)", "idle", bucket.launched_at, trace.now())
             return
         if self._executor is None:  # one helper thread: buckets stay in order
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="minitrain-ddp")
@@ -257,7 +265,9 @@ class DataParallel(nn.Module):
             return
         end_of_compute = trace.now()
         if self._backward_start is not None:
-            trace.record("backward", "compute", self._backward_start, end_of_compute)
+            last = self._last_gradient_at
+            end = last if last is not None and last >= self._backward_start else end_of_compute
+            trace.record("backward", "compute", self._backward_start, end)
         for p in self._params:
             if p not in self._ready:
                 bucket, k = self._location[p]

@@ -20,11 +20,56 @@ from minitrain.launch import launch
 
 def hidden_communication_share(events: list[trace.Event]) -> float:
     """Fraction of the communication time (union of the "communication" events) during which
-    some "compute" event also ran: the part of the all-reduce hidden behind backward."""
+    some "compute" event also ran: the part of the all-reduce hidden behind backward.
+
+    Read from one rank's trace of one step. ``DataParallel`` records backward's compute from
+    its first gradient computation to its *last gradient* (not to the end-of-backward
+    callback, which only waits), so an all-reduce launched by the last gradient overlaps
+    nothing: a flat bucket hides ~0 %, as it should. "idle" events inside backward (a launch
+    call that held the caller) are taken out of compute: backward computed nothing then.
+    """
     comm = [e for e in events if e.kind == "communication"]
     compute = [e for e in events if e.kind == "compute"]
+    # time inside a compute span during which the rank was in fact waiting ("idle" events,
+    # e.g. a launch call that blocks) hides nothing: take it out of compute
+    idle = [e for e in events if e.kind == "idle"]
+    waiting = [
+        trace.Event("waiting", "idle", max(k.start, i.start), min(k.end, i.end))
+        for k in compute
+        for i in idle
+        if min(k.end, i.end) > max(k.start, i.start)
+    ]
     total = trace.overlap_seconds(comm, comm)  # a set overlaps itself on its union
-    return trace.overlap_seconds(comm, compute) / total if total > 0 else 0.0
+    hidden = trace.overlap_seconds(comm, compute) - trace.overlap_seconds(comm, waiting)
+    return hidden / total if total > 0 else 0.0
+
+
+def hidden_share_per_step(step_traces: list[list[list[trace.Event]]]) -> list[float]:
+    """One hidden share per measured step (the mean over ranks): ``step_traces[i][r]`` holds
+    rank r's events of step i."""
+    return [
+        statistics.mean(hidden_communication_share(events) for events in ranks)
+        for ranks in step_traces
+    ]
+
+
+def summarize_shares(shares: list[float]) -> dict:
+    """Median and spread of per-step shares: {"median", "q1", "q3", "min", "max", "steps"}.
+
+    One step's share moves with what the shared CPU does at that moment; the median over
+    steps is the number to quote, the quartiles say how much a single step varies.
+    """
+    if not shares:
+        raise ValueError("summarize_shares needs at least one step")
+    q1, _, q3 = statistics.quantiles(shares, n=4, method="inclusive") if len(shares) > 1 else shares * 3
+    return {
+        "median": statistics.median(shares),
+        "q1": q1,
+        "q3": q3,
+        "min": min(shares),
+        "max": max(shares),
+        "steps": len(shares),
+    }
 
 
 TORCH_DDP = "torch DDP"
@@ -46,7 +91,7 @@ def _build(name, kwargs, config, bucket_mb):
 
 
 def _rank_measure(variants, config, bucket_mb, steps, batch):
-    """Per variant: the step times (this rank) and the trace events of the last step."""
+    """Per variant: the step times (this rank) and the trace events of every measured step."""
     from minitrain.model import lm_loss
 
     torch.manual_seed(1 + dist.get_rank())
@@ -55,7 +100,7 @@ def _rank_measure(variants, config, bucket_mb, steps, batch):
     x = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]))
     y = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]))
     times = {name: [] for name in models}
-    last_events = {}
+    step_events = {name: [] for name in models}
     for step in range(steps + 2):  # two warm-up steps
         for name, model in models.items():
             dist.barrier()
@@ -74,9 +119,9 @@ def _rank_measure(variants, config, bucket_mb, steps, batch):
             elapsed = time.perf_counter() - start
             if step >= 2:
                 times[name].append(elapsed)
-            last_events[name] = trace.events()
+                step_events[name].append(trace.events())
     n_buckets = {name: len(m.buckets) for name, m in models.items() if name != TORCH_DDP}
-    return {"times": times, "events": last_events, "buckets": n_buckets}
+    return {"times": times, "events": step_events, "buckets": n_buckets}
 
 
 def measure(
@@ -90,7 +135,9 @@ def measure(
     """Run the variants side by side on ``world`` ranks.
 
     Returns {"step_time": {name: median over steps of the slowest rank's time},
-    "traces": {name: [events of rank r in its last step]}, "buckets": {name: count}}.
+    "traces": {name: [events of rank r in its last step]}, "step_traces": {name: [[events of
+    rank r in step i] for each step i]}, "hidden_shares": {name: [hidden share of step i]}
+    (DataParallel variants only), "buckets": {name: count}}.
     ``variants``: name → DataParallel keyword arguments; the name ``"torch DDP"`` means
     torch's DistributedDataParallel.
     """
@@ -99,5 +146,17 @@ def measure(
         name: statistics.median(max(r["times"][name][i] for r in res) for i in range(steps))
         for name in variants
     }
-    traces = {name: [r["events"][name] for r in res] for name in variants}
-    return {"step_time": step_time, "traces": traces, "buckets": res[0]["buckets"]}
+    step_traces = {
+        name: [[r["events"][name][i] for r in res] for i in range(steps)] for name in variants
+    }
+    traces = {name: step_traces[name][-1] for name in variants}
+    shares = {
+        name: hidden_share_per_step(step_traces[name]) for name in variants if name != TORCH_DDP
+    }
+    return {
+        "step_time": step_time,
+        "traces": traces,
+        "step_traces": step_traces,
+        "hidden_shares": shares,
+        "buckets": res[0]["buckets"],
+    }

@@ -165,8 +165,8 @@ def build_memory_widget(
                     ms=16,
                     label="measured",
                 )
-            ax.set_xlabel("micro-batch size")
-            ax.set_ylabel(unit)
+            ax.set_xlabel("micro-batch size (sequences)")
+            ax.set_ylabel(f"training memory ({unit})")
             ax.legend(fontsize=8)
             ax.set_title(f"training memory, {values['precision']}, Adam", loc="left")
             plt.show()

@@ -15,7 +15,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from minitrain.precision import FORMATS, FP16
+from minitrain.precision import FORMATS, FP16, FloatFormat
 
 # ------------------------------------------------------------------ float explorer
 
@@ -84,6 +84,24 @@ def _describe(info: dict) -> str:
     return "<br>".join(lines)
 
 
+def bit_fields(fmt: FloatFormat) -> list[tuple[str, int]]:
+    """(field, bit index) of every bit, most significant first: the sign, E exponent bits,
+    M mantissa bits; index 0 is the last mantissa bit. What labels the explorer's toggles."""
+    n = fmt.bits
+    fields = ["sign"] + ["exponent"] * fmt.exponent_bits + ["mantissa"] * fmt.mantissa_bits
+    return [(field, n - 1 - i) for i, field in enumerate(fields)]
+
+
+def field_legend(fmt: FloatFormat) -> str:
+    """One HTML line naming the toggles: which bit indices are sign, exponent, mantissa."""
+    n, e = fmt.bits, fmt.exponent_bits
+    return (
+        f"bits {n - 1}…0, most significant first: <span style='color:#d9534f'>sign</span> "
+        f"(bit {n - 1}) · <span style='color:#f0ad4e'>exponent</span> (bits {n - 2}…{n - 1 - e}) · "
+        f"<span style='color:#5bc0de'>mantissa</span> (bits {fmt.mantissa_bits - 1}…0)<br>"
+    )
+
+
 def build_float_explorer(format_name: str = "fp16", value: float = 0.1):
     """Dropdown (format), one toggle per bit, a number box; the HTML shows the decoding."""
     import ipywidgets as w
@@ -95,7 +113,7 @@ def build_float_explorer(format_name: str = "fp16", value: float = 0.1):
     busy = {"now": False}  # setting toggles from code must not re-trigger the handlers
 
     def show(info):
-        status.value = _describe(info)
+        status.value = field_legend(FORMATS[fmt_box.value]) + _describe(info)
         busy["now"] = True
         for i, button in enumerate(bit_row.children):
             button.value = bool((info["bits"] >> (len(bit_row.children) - 1 - i)) & 1)
@@ -103,10 +121,16 @@ def build_float_explorer(format_name: str = "fp16", value: float = 0.1):
 
     def make_bits():
         fmt = FORMATS[fmt_box.value]
-        colours = ["danger"] + ["warning"] * fmt.exponent_bits + ["info"] * fmt.mantissa_bits
         buttons = []
-        for colour in colours:
-            b = w.ToggleButton(value=False, button_style=colour, layout=w.Layout(width="26px"))
+        for field, index in bit_fields(fmt):
+            colour = {"sign": "danger", "exponent": "warning", "mantissa": "info"}[field]
+            b = w.ToggleButton(
+                value=False,
+                button_style=colour,
+                description=str(index),  # the bit's index, most significant first
+                tooltip=f"{field} bit {index}",
+                layout=w.Layout(width="34px"),
+            )
             b.observe(on_bit, names="value")
             buttons.append(b)
         bit_row.children = buttons
@@ -221,8 +245,8 @@ def plot_gradient_histogram(h: dict, ax, title: str = ""):
         label="subnormal",
     )
     ax.axvspan(h["log2_max"], edges[-1], color="tab:purple", alpha=0.25, label="overflow")
-    ax.set_xlabel("log2 |gradient x scale|")
-    ax.set_ylabel("values")
+    ax.set_xlabel("log2 |gradient × scale| (binary exponent; 0 means 1.0)")
+    ax.set_ylabel("gradient values (count per bin)")
     ax.set_title(
         title or f"flushed {h['flushed_fraction']:.2%}, overflow {h['overflow_fraction']:.2%}"
     )

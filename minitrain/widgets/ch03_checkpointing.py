@@ -9,10 +9,11 @@ measurements, it does not re-run anything.
 
 from __future__ import annotations
 
-from minitrain.checkpointing import policy_extra_flops, policy_saved_bytes
+from minitrain.checkpointing import policy_extra_flops, policy_peak_bytes, policy_saved_bytes
 from minitrain.checkpointing.measure import compare_policies, tiny_setup
 
 WIDGET_POLICIES = ("none", "full", "selective", "every_k", "segments")
+K_POLICIES = ("every_k", "segments")  # the policies the k slider applies to
 
 
 def measure_checkpointing(n_layer: int = 8, batch: int = 8, repeats: int = 5, **config) -> dict:
@@ -51,6 +52,7 @@ def compute_checkpointing_view(data: dict, policy: str, k: int) -> dict:
         "saved": row["saved"],
         "saved_predicted": policy_saved_bytes(cfg, batch, *key),
         "peak": row["peak"],
+        "peak_predicted": policy_peak_bytes(cfg, batch, *key),
         "extra_flops": row["extra_flops"],
         "extra_flops_predicted": policy_extra_flops(cfg, batch, *key),
         "extra_flops_fraction": row["extra_flops"] / base["flops"],
@@ -67,6 +69,10 @@ def compute_checkpointing_view(data: dict, policy: str, k: int) -> dict:
                 f"{p}_predicted": [policy_saved_bytes(cfg, batch, p, j) for j in ks]
                 for p in ("every_k", "segments")
             },
+            **{
+                f"{p}_peak_predicted": [policy_peak_bytes(cfg, batch, p, j) for j in ks]
+                for p in ("every_k", "segments")
+            },
         },
         "levels": {p: rows[(p, 1)]["peak"] for p in ("none", "full", "selective")},
     }
@@ -76,7 +82,8 @@ def _describe(view: dict) -> str:
     time = "" if view["time_ratio"] is None else f", step time x{view['time_ratio']:.2f}"
     return (
         f"<b>{view['policy']}</b>: saved {view['saved'] / 1e6:.2f} MB (formula "
-        f"{view['saved_predicted'] / 1e6:.2f} MB), peak {view['peak'] / 1e6:.2f} MB, "
+        f"{view['saved_predicted'] / 1e6:.2f} MB), peak {view['peak'] / 1e6:.2f} MB (formula "
+        f"{view['peak_predicted'] / 1e6:.2f} MB), "
         f"extra FLOPs {view['extra_flops'] / 1e6:.1f} M (formula "
         f"{view['extra_flops_predicted'] / 1e6:.1f} M, "
         f"+{100 * view['extra_flops_fraction']:.0f}% of a step){time}"
@@ -111,12 +118,20 @@ def plot_checkpointing_view(view: dict, k: int, ax_memory=None, ax_cost=None):
         ax_memory.plot(
             c["k"], [v * mb for v in c[f"{p}_peak"]], "x", color=color, label=f"{p}: peak, measured"
         )
+        ax_memory.plot(
+            c["k"],
+            [v * mb for v in c[f"{p}_peak_predicted"]],
+            "--",
+            color=color,
+            alpha=0.5,
+            label=f"{p}: peak, formula",
+        )
     for (name, level), style in zip(view["levels"].items(), (":", "--", "-.")):
         ax_memory.axhline(level * mb, color="gray", ls=style, label=f"{name}: measured peak")
     ax_memory.axvline(k, color="k", lw=0.8)
     ax_memory.set(
-        xlabel="k (segments, or blocks per checkpoint)",
-        ylabel="MB",
+        xlabel="k (segments, or blocks per checkpoint; count)",
+        ylabel="bytes held for backward (MB, log scale)",
         title="activation memory, measured vs formula",
     )
     ax_memory.set_yscale("log")
@@ -131,6 +146,8 @@ def plot_checkpointing_view(view: dict, k: int, ax_memory=None, ax_cost=None):
     ax_cost.bar(labels, measured, color=["C2", "C2", "C3", "C4"])
     ax_cost.set(
         title=f"{view['policy']}, relative to none",
+        xlabel="quantity",
+        ylabel="ratio (memory: of none; cost: extra fraction)",
         ylim=(min(0, *measured) * 1.1, max(1.05, *measured) * 1.05),
     )
     return ax_memory, ax_cost
@@ -145,9 +162,11 @@ def build_checkpointing_widget(data: dict | None = None, policy: str = "segments
     L = data["config"].n_layer
     chooser = widgets.Dropdown(options=list(WIDGET_POLICIES), value=policy, description="policy")
     slider = widgets.IntSlider(value=min(k, L), min=1, max=L, description="k")
+    slider.disabled = policy not in K_POLICIES
     readout, plot = widgets.HTML(), widgets.Output()
 
     def redraw(_=None):
+        slider.disabled = chooser.value not in K_POLICIES  # k means nothing for the others
         view = compute_checkpointing_view(data, chooser.value, slider.value)
         readout.value = _describe(view)
         with plot:

@@ -13,7 +13,7 @@ import io
 import math
 
 from minitrain import trace
-from minitrain.ddp import assign_buckets, hidden_communication_share
+from minitrain.ddp import assign_buckets, hidden_share_per_step, summarize_shares
 
 
 def _label(cap_mb: float) -> str:
@@ -30,7 +30,8 @@ def sweep_bucket_sizes(
     """Measure one bucketed, overlapped DataParallel per bucket size on ``world`` ranks.
 
     Returns {"caps": caps_mb, "param_bytes": [bytes of each trainable parameter],
-    "step_time": {cap: seconds}, "traces": {cap: per-rank events of one step}}.
+    "step_time": {cap: seconds}, "traces": {cap: per-rank events of the last step},
+    "step_traces": {cap: [per-rank events of step i] for every measured step}}.
     """
     from minitrain.ddp.measure import QUICK_MODEL, measure
     from minitrain.model import GPT, GPTConfig
@@ -44,6 +45,7 @@ def sweep_bucket_sizes(
         "param_bytes": [p.numel() * p.element_size() for p in params],
         "step_time": {c: result["step_time"][_label(c)] for c in caps_mb},
         "traces": {c: result["traces"][_label(c)] for c in caps_mb},
+        "step_traces": {c: result["step_traces"][_label(c)] for c in caps_mb},
     }
 
 
@@ -57,20 +59,24 @@ def count_buckets(param_bytes: list[int], cap_mb: float) -> int:
 
 def compute_bucket_view(sweep: dict, cap_mb: float) -> dict:
     """What the widget shows for one measured bucket size: bucket count, step time (ms),
-    communication hidden behind compute (mean over ranks) and the per-rank timeline."""
+    communication hidden behind compute — the median over the measured steps of each step's
+    share (mean over ranks), with its quartiles — and the per-rank timeline of the last step."""
     if cap_mb not in sweep["step_time"]:
         raise ValueError(
             f"compute_bucket_view: bucket size {cap_mb!r} MB was not measured; "
             f"measured: {sweep['caps']}"
         )
     traces = sweep["traces"][cap_mb]
-    shares = [hidden_communication_share(events) for events in traces]
+    steps = sweep.get("step_traces", {}).get(cap_mb) or [traces]
+    spread = summarize_shares(hidden_share_per_step(steps))
     return {
         "cap_mb": cap_mb,
         "label": _label(cap_mb),
         "buckets": count_buckets(sweep["param_bytes"], cap_mb),
         "step_ms": 1e3 * sweep["step_time"][cap_mb],
-        "hidden_share": sum(shares) / len(shares),
+        "hidden_share": spread["median"],
+        "hidden_quartiles": (spread["q1"], spread["q3"]),
+        "steps": spread["steps"],
         "traces": traces,
     }
 
@@ -87,7 +93,8 @@ def _render(view: dict) -> bytes:
         ax=ax,
         title=f"bucket {view['label']}: {view['buckets']} buckets, "
         f"step {view['step_ms']:.1f} ms, "
-        f"{100 * view['hidden_share']:.0f}% of communication hidden",
+        f"median {100 * view['hidden_share']:.0f}% of communication hidden "
+        f"({view['steps']} steps)",
     )
     fig.tight_layout()
     buf = io.BytesIO()
@@ -116,7 +123,8 @@ def build_bucket_widget(sweep: dict):
             f"<b>{view['buckets']}</b> buckets · measured step "
             f"<b>{view['step_ms']:.1f} ms</b> · "
             f"<b>{100 * view['hidden_share']:.0f}%</b> of communication hidden "
-            "behind compute"
+            f"behind compute (median of {view['steps']} steps; quartiles "
+            f"{100 * view['hidden_quartiles'][0]:.0f}–{100 * view['hidden_quartiles'][1]:.0f}%)"
         )
         image.value = _render(view)
 

@@ -3,7 +3,7 @@
 Used by notebooks/05_zero.ipynb. ``compute_zero_memory`` is the pure function behind the
 calculator (unit tested): for a model of ``num_params`` parameters on ``world_size`` ranks it
 gives each rank's bytes for parameters, gradients and optimizer state under plain data
-parallelism and ZeRO stages 1-3 (Rajbhandari et al. 2020, §5.2), in fp32 or the paper's
+parallelism and ZeRO stages 1-3 (Rajbhandari et al. 2020, §5 and Figure 1), in fp32 or the paper's
 mixed precision (K = 12), with or without optimizer offload. The bars are drawn per
 parameter (bytes/parameter per rank), so the points measured in the notebook on a small model
 (``measured``) sit on the same axis as a trillion-parameter model's formula.
@@ -18,6 +18,11 @@ from minitrain.zero import memory_formula
 STAGES = ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
 PARTS = ("params", "grads", "optimizer")
 COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868"}
+# the parameter counts the calculator offers (well-known model sizes)
+MODEL_SIZES = [
+    ("125M", 125e6), ("1.3B", 1.3e9), ("7.5B", 7.5e9), ("13B", 13e9), ("70B", 70e9),
+    ("175B", 175e9), ("405B", 405e9), ("1T", 1e12),
+]
 
 
 def compute_zero_memory(
@@ -37,7 +42,10 @@ def compute_zero_memory(
     """
     if num_params <= 0:
         raise ValueError(f"num_params must be positive, got {num_params!r}")
-    stages = [memory_formula(num_params, world_size, s, precision, offload) for s in range(4)]
+    # offload is a ZeRO feature (ZeRO-Offload shards then offloads): plain DP keeps its state
+    stages = [
+        memory_formula(num_params, world_size, s, precision, offload and s >= 1) for s in range(4)
+    ]
     selected = stages[stage]
     points = []
     if precision == "fp32" and not offload:
@@ -54,6 +62,7 @@ def compute_zero_memory(
         "points": points,
         "num_params": num_params,
         "world_size": world_size,
+        "offload": offload,
     }
 
 
@@ -68,6 +77,8 @@ def describe(view: dict) -> str:
     s = view["selected"]
     parts = " + ".join(f"{s[p] / view['num_params']:.3g}" for p in PARTS)
     host = f"; {_bytes(s['host'])} on the host" if s["host"] else ""
+    if view.get("offload") and view["stage"] == 0:
+        host = "; offload applies to ZeRO stages only"
     return (
         f"{STAGES[view['stage']]} on {view['world_size']} ranks: {parts} = "
         f"<b>{view['per_param'][view['stage']]:.3g} bytes/parameter</b> per rank, "
@@ -100,7 +111,8 @@ def plot_memory(view: dict, ax=None):
         xs, ys = zip(*view["points"])
         ax.scatter(xs, ys, marker="x", s=80, color="black", zorder=3, label="measured (notebook)")
     ax.set_xticks(range(4), STAGES)
-    ax.set_ylabel("bytes / parameter / rank")
+    ax.set_xlabel("data parallelism (DP) and ZeRO stage")
+    ax.set_ylabel("model states (bytes per parameter, per rank)")
     ax.set_title(f"N = {view['world_size']} ranks")
     ax.legend(fontsize="small")
     return ax
@@ -137,14 +149,10 @@ def build_zero_memory_widget(measured: list | None = None, traces=None):
     below, the stage 3 timeline if ``traces`` (per-rank events of one step) are given."""
     import ipywidgets as w
 
-    params = w.FloatLogSlider(
-        value=7.5e9,
-        base=10,
-        min=6,
-        max=12,
-        step=0.25,
+    params = w.SelectionSlider(  # explicit sizes: a log slider's grid snaps 7.5e9 to 1e10
+        options=[(label, int(n)) for label, n in MODEL_SIZES],
+        value=int(7.5e9),
         description="parameters",
-        readout_format=".3g",
     )
     ranks = w.SelectionSlider(
         options=[1, 2, 4, 8, 16, 64, 256, 1024], value=64, description="ranks N"

@@ -1,7 +1,7 @@
 """ZeRO's bookkeeping: the paper's memory and communication formulas, and what was measured.
 
 Chapter 5, notebooks/05_zero.ipynb; used by the ZeRO optimizer and wrapper.
-Rajbhandari et al. 2020, §5.2 (memory per stage) and §7 (communication volume): every
+Rajbhandari et al. 2020, §5 and Figure 1 (memory per stage) and §7 (communication volume): every
 rank counts the bytes it sends per collective with the ring cost (N-1)/N of the buffer,
 and the bytes of the tensors it keeps, so the notebook can set "measured" beside "formula".
 """
@@ -38,7 +38,7 @@ def reset_bytes_sent() -> None:
 def memory_formula(
     num_params: int, world_size: int, stage: int, precision: str = "fp32", offload: bool = False
 ) -> dict:
-    """Bytes per rank for parameters, gradients, optimizer state (ZeRO §5.2; stage 0 = DP).
+    """Bytes per rank for parameters, gradients, optimizer state (ZeRO §5, Figure 1; stage 0 = DP).
 
     fp32 with Adam: 4 + 4 + 8 bytes per parameter; "mixed": the paper's 2 + 2 + K, K = 12
     (fp32 master + moments), from ``minitrain.memory.BYTES_PER_PARAMETER`` (the paper leaves

@@ -4,7 +4,7 @@ Chapter 5, notebooks/05_zero.ipynb. Rajbhandari et al. 2020, "ZeRO: Memory Optim
 Toward Training Trillion Parameter Models" (SC'20). Plain data parallelism keeps a full
 copy of the *model states* on every rank: with Adam in mixed precision 2Ψ (fp16 weights)
 + 2Ψ (fp16 gradients) + KΨ (fp32 master, momentum, variance; K = 12) bytes. ZeRO splits
-them into N slices, rank r keeping slice r (§5.2, Figure 1):
+them into N slices, rank r keeping slice r (§5, Figure 1):
 
 - stage 1 (P_os): optimizer state only          2Ψ + 2Ψ + KΨ/N
 - stage 2 (P_os+g): gradients too               2Ψ + (2 + K)Ψ/N

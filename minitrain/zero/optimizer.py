@@ -1,7 +1,7 @@
 """ZeRO stage 1 as a drop-in optimizer: ``ShardedOptimizer``, and how parameters are split.
 
 Chapter 5, notebooks/05_zero.ipynb.
-Rajbhandari et al. 2020, §5.2 "P_os": each rank keeps the optimizer state of its share of
+Rajbhandari et al. 2020, §5.1 "P_os": each rank keeps the optimizer state of its share of
 the parameters only, steps that share, and then the ranks exchange the updated values.
 """
 
