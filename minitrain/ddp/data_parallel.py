@@ -55,7 +55,8 @@ class _Bucket:
     After the gradients the buffer carries one more number per parameter, its "used" flag:
     1 if this rank's backward reached the parameter. The all-reduce sums the flags with the
     gradients, so it costs no extra message, and afterwards every rank reads the same count of
-    ranks that used each parameter (torch DDP's ``find_unused_parameters``: Li et al. 2020, §3.2.3).
+    ranks that used each parameter (torch DDP's ``find_unused_parameters``; Li et al. 2020,
+    §3.2.3).
     """
 
     def __init__(self, index: int, params: list[nn.Parameter]):

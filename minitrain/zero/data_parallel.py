@@ -74,8 +74,9 @@ class ZeroDataParallel(nn.Module):
     ones, as chapter 4's buckets do — and a parameter this rank did not use contributes zeros
     at the end of backward. A parameter *no* rank used gets a zero gradient (a flat shard
     cannot tell "unused" from "zero"), so unlike DDP's ``None`` AdamW still decays it. Stage
-    3 gathers a unit when its forward runs, a collective: every rank must run every unit's
-    forward (what happens inside it, which parameters it uses, may differ).
+    3 gathers on a second process group of the same ranks, so its gathers and reduce-scatters
+    each keep one order on every rank. It gathers a unit when its forward runs: every rank
+    must run every unit's forward (which parameters it uses inside may differ).
 
     ``compute_dtype`` (e.g. ``torch.bfloat16``): parameters are held, gathered and used for
     forward/backward in that dtype (floating-point inputs are cast to it); each rank keeps an
@@ -106,7 +107,8 @@ class ZeroDataParallel(nn.Module):
             raise ValueError(f"ZeroDataParallel: stage must be 1, 2 or 3, got {stage!r}")
         if compute_dtype is not None and not compute_dtype.is_floating_point:
             raise ValueError(
-                f"ZeroDataParallel: compute_dtype must be a floating-point dtype, got {compute_dtype!r}"
+                "ZeroDataParallel: compute_dtype must be a floating-point dtype, "
+                f"got {compute_dtype!r}"
             )
         self.module, self.stage, self.group, self.offload = module, stage, group, offload
         self.compute_dtype, self.loss_scaler = compute_dtype, loss_scaler
@@ -173,6 +175,13 @@ class ZeroDataParallel(nn.Module):
             self._reduce_order += [self.root] if self.root is not None else []
         self._to_reduce = list(self._reduce_order)
         if stage == 3:
+            # Backward issues all-gathers (re-gather, prefetch) between the reduce-scatters,
+            # and which reduce-scatters come before a given gather depends on the parameters
+            # this rank used. Collectives of one group pair up by position, so the two kinds
+            # travel on two groups of the same ranks, each in one order on every rank (as
+            # FSDP keeps them on two streams).
+            ranks = None if group is None else dist.get_process_group_ranks(group)
+            self._gather_group = dist.new_group(ranks)
             for i, block in enumerate(self.blocks):
                 block.register_forward_pre_hook(functools.partial(self._pre_hook, i))
                 block.register_forward_hook(functools.partial(self._post_hook, i))
@@ -187,7 +196,8 @@ class ZeroDataParallel(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
         if self.compute_dtype is not None:
-            args, kwargs = cast_inputs(args, self.compute_dtype), cast_inputs(kwargs, self.compute_dtype)
+            args = cast_inputs(args, self.compute_dtype)
+            kwargs = cast_inputs(kwargs, self.compute_dtype)
         if self.stage < 3:
             return self.module(*args, **kwargs)
         if self.root is not None:  # embeddings/head: gathered for the whole forward
@@ -211,7 +221,9 @@ class ZeroDataParallel(nn.Module):
         u.launched = trace.now()
         # .data: the collective writes through an alias with its own version counter, so the
         # tensors autograd saved (views of u.full) are not flagged as modified in place
-        u.work = timed(all_gather_tensor(u.full.data, u.shard, group=self.group, async_op=True))
+        u.work = timed(
+            all_gather_tensor(u.full.data, u.shard, group=self._gather_group, async_op=True)
+        )
         count_sent("all_gather", u.padded * u.full.element_size(), self.world_size)
         u.state = "gathering"
 
@@ -368,7 +380,9 @@ class ZeroDataParallel(nn.Module):
                     elif p.grad.data_ptr() != slot.data_ptr():
                         slot.copy_(p.grad.reshape(-1))
                 grad_full = u.grad_full.to(u.master.dtype)  # fp32 for the sum (one unit at a time)
-                u.grad_shard = torch.empty(u.shard_numel, dtype=grad_full.dtype, device=grad_full.device)
+                u.grad_shard = torch.empty(
+                    u.shard_numel, dtype=grad_full.dtype, device=grad_full.device
+                )
                 reduce_scatter_tensor(u.grad_shard, grad_full, group=self.group)
                 count_sent("reduce_scatter", u.padded * grad_full.element_size(), self.world_size)
                 u.grad_shard.div_(self.world_size)
