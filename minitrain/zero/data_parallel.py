@@ -153,7 +153,9 @@ class ZeroDataParallel(nn.Module):
         for u in self.live_units():
             host = torch.device("cpu") if offload else u.shard.device
             # from the fp32 weights, before any rounding: the master keeps every digit
-            u.master = nn.Parameter(u.shard.detach().to(host, copy=self._separate_master))
+            master_dtype = u.shard.dtype if compute_dtype is None else torch.float32
+            master = u.shard.detach().to(host, master_dtype, copy=self._separate_master)
+            u.master = nn.Parameter(master)
             if compute_dtype is not None:
                 cast_unit(u, compute_dtype, self.rank, own_shard=stage == 3)
             if stage == 1:  # p.grad are views of one flat buffer, which autograd accumulates into
