@@ -17,6 +17,7 @@ from minitrain import trace
 from minitrain.ddp import assign_buckets, broadcast_from_first_rank
 from minitrain.zero.accounting import count_sent, optimizer_state_tensors, storage_bytes
 from minitrain.zero.buffers import FlatUnit, all_gather_tensor, reduce_scatter_tensor, timed, wait_timed
+from minitrain.zero.mixed_precision import cast_inputs, cast_rest, cast_unit
 
 
 def partition_parameters(sizes: list[int], world_size: int) -> list[list[int]]:
@@ -77,4 +78,4 @@ class ZeroDataParallel:
         # HINT: output.register_hook(fn) calls fn(grad) when the gradient of output is known
         raise NotImplementedError("exercise: write ZeroDataParallel._post_forward (see its docstring)")
 
-# minitrain-exercises-hash: b882de4161810e31
+# minitrain-exercises-hash: ec7cc779384fe5f0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import torch
+import torch.distributed as dist
 from dataclasses import dataclass
 from torch import nn
 
@@ -115,4 +116,4 @@ class MasterWeightOptimizer:
                 p.copy_(m)
         ### END SOLUTION
 
-# minitrain-exercises-hash: 7e7eb6c74ce1e84f
+# minitrain-exercises-hash: a23f2d94d11429ab

@@ -13,6 +13,7 @@ from minitrain import trace
 from minitrain.ddp import assign_buckets, broadcast_from_first_rank
 from minitrain.zero.accounting import count_sent, optimizer_state_tensors, storage_bytes
 from minitrain.zero.buffers import FlatUnit, all_gather_tensor, reduce_scatter_tensor, timed, wait_timed
+from minitrain.zero.mixed_precision import cast_inputs, cast_rest, cast_unit
 
 
 def partition_parameters(sizes: list[int], world_size: int) -> list[list[int]]:
@@ -120,4 +121,4 @@ class ZeroDataParallel:
             output.register_hook(lambda grad: self._pre_backward(index))
         ### END SOLUTION
 
-# minitrain-exercises-hash: 89ea8b3b38354658
+# minitrain-exercises-hash: c0c90e27c5648beb

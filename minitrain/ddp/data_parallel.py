@@ -50,7 +50,14 @@ def broadcast_from_first_rank(module: nn.Module, group=None) -> None:
 
 
 class _Bucket:
-    """One flat gradient buffer and the parameters whose gradients live in it."""
+    """One flat gradient buffer and the parameters whose gradients live in it.
+
+    After the gradients the buffer carries one more number per parameter, its "used" flag:
+    1 if this rank's backward reached the parameter. The all-reduce sums the flags with the
+    gradients, so it costs no extra message, and afterwards every rank reads the same count of
+    ranks that used each parameter (torch DDP's ``find_unused_parameters``; Li et al. 2020,
+    §3.2.3).
+    """
 
     def __init__(self, index: int, params: list[nn.Parameter]):
         self.index = index
@@ -58,7 +65,11 @@ class _Bucket:
         self.offsets = [0]
         for p in params:
             self.offsets.append(self.offsets[-1] + p.numel())
-        self.buffer = torch.zeros(self.offsets[-1], dtype=params[0].dtype, device=params[0].device)
+        self.buffer = torch.zeros(
+            self.offsets[-1] + len(params), dtype=params[0].dtype, device=params[0].device
+        )
+        # the flags: small integer counts, exact in any float dtype (bf16: up to 256 ranks)
+        self.used = self.buffer[self.offsets[-1] :]
         self.ready = 0  # parameters whose gradient has been copied in this step
         self.wait = None  # waits for the running all-reduce, returns when it ended
         self.launched_at = 0.0
@@ -86,9 +97,21 @@ class DataParallel(nn.Module):
     Synchronisation finishes by itself at the end of backward (an autograd callback);
     ``finish_gradient_synchronization()`` may also be called and is then a no-op. A
     rank whose backward reached no parameter at all must call it itself, like every
-    rank must call a collective. Parameters that got no gradient this step contribute
-    zeros (their ``.grad`` becomes the average of the others'); frozen parameters are
-    skipped; a parameter shared by two modules (tied weights) is one parameter.
+    rank must call a collective. Frozen parameters are skipped; a parameter shared by two
+    modules (tied weights) is one parameter.
+
+    Parameters a step did not use, as torch's ``DistributedDataParallel(
+    find_unused_parameters=True)`` treats them (Li et al. 2020, §3.2.3): a parameter used
+    by *some* ranks gets the average in which the other ranks count zero; a parameter used
+    by *no* rank keeps its ``.grad`` untouched (``None`` stays ``None``, so the optimizer
+    skips it and AdamW's weight decay does not move it). Every rank must take the same
+    decision, so each bucket carries a "used" flag per parameter, summed by the bucket's
+    own all-reduce. "Used" means its gradient hook ran since the last synchronisation
+    (``no_sync`` backwards count).
+
+    ``register_averaged_grad_hook(fn)``: ``fn(param)`` runs for every parameter once its
+    averaged gradient is in ``param.grad`` (``MasterWeightOptimizer`` uses it so its fp32
+    masters receive the average, not this rank's gradient).
     """
 
     def __init__(
@@ -128,7 +151,14 @@ class DataParallel(nn.Module):
             p.register_post_accumulate_grad_hook(self._grad_hook)
         self._executor = None
         self._sync_enabled = True
+        self._averaged_grad_hooks = []
         self._reset_step()
+
+    def register_averaged_grad_hook(self, fn) -> None:
+        """Call ``fn(param)`` after each synchronisation, for every parameter whose averaged
+        gradient was just written into ``param.grad`` (the data-parallel counterpart of
+        ``register_post_accumulate_grad_hook``, which fires *before* the average)."""
+        self._averaged_grad_hooks.append(fn)
 
     # ------------------------------------------------------------------ set-up helpers
     def _check_replicas_match(self):
@@ -151,6 +181,7 @@ class DataParallel(nn.Module):
         self._backward_start = None
         for bucket in self.buckets:
             bucket.ready, bucket.wait = 0, None
+            bucket.used.zero_()
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
@@ -176,6 +207,10 @@ class DataParallel(nn.Module):
 
     # ------------------------------------------------------------------ backward
     def _grad_hook(self, param):
+        # flag "used" first: _on_grad_ready may launch the bucket's all-reduce at once. Flagged
+        # under no_sync too, so accumulated gradients count as used at the next synchronisation.
+        bucket, k = self._location[param]
+        bucket.used[k] = 1
         # looked up at call time, so a grader's patched _on_grad_ready is the one that runs
         self._on_grad_ready(param)
         # the last gradient produced ends backward's compute: what autograd does between it
@@ -259,7 +294,9 @@ class DataParallel(nn.Module):
 
         Launches what is still missing first: buckets not launched during backward and the
         gradients of parameters that got none this step (zeros, or what ``no_sync`` steps
-        accumulated). Runs automatically at the end of backward; a second call is a no-op.
+        accumulated). A parameter whose summed "used" flag is 0 was used by no rank: its
+        ``.grad`` is left as it was. Runs automatically at the end of backward; a second call
+        is a no-op.
         """
         if not self._needs_sync:
             return
@@ -283,10 +320,14 @@ class DataParallel(nn.Module):
                 f"all-reduce bucket {bucket.index}", "communication", bucket.launched_at, end
             )
             for k, p in enumerate(bucket.params):
+                if bucket.used[k] == 0:
+                    continue  # no rank used it: every rank leaves .grad alone, as torch DDP
                 grad = bucket.view(k).view_as(p)
                 if p.grad is None:
                     p.grad = grad.clone()
                 else:
                     p.grad.copy_(grad)
+                for hook in self._averaged_grad_hooks:
+                    hook(p)
         trace.record("wait for gradients", "idle", end_of_compute, trace.now())
         self._reset_step()

@@ -9,6 +9,7 @@ the same rules as torch.amp.GradScaler, which the tests use as the oracle).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 
 class DynamicLossScaler:
@@ -77,6 +78,23 @@ class DynamicLossScaler:
                     found_inf |= not bool(torch.isfinite(p.grad).all())
                     p.grad.mul_(inv_scale.to(p.grad.device))
         self._found_inf[key] = found_inf
+
+    def all_reduce_found_inf(self, optimizer, group=None) -> bool:
+        """Make this iteration's overflow verdict for `optimizer` the same on every rank of
+        `group` (None: the default group): True if *any* rank's `unscale_` saw inf/NaN.
+
+        For sharded training (ZeRO, FSDP), where each rank unscales only its slice of the
+        gradients: without this, the rank holding the overflow skips its step and backs off
+        while the others step and keep their scale, and the replicas drift apart (torch's
+        ShardedGradScaler does the same all-reduce). Call after `unscale_`, before `step`.
+        """
+        key = id(optimizer)
+        if key not in self._found_inf:
+            raise RuntimeError("all_reduce_found_inf() needs unscale_() first.")
+        flag = torch.tensor([float(self._found_inf[key])])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        self._found_inf[key] = bool(flag.item())
+        return self._found_inf[key]
 
     def step(self, optimizer, *args, **kwargs):
         """optimizer.step() unless this iteration's gradients overflowed (then skip it)."""

@@ -4,6 +4,12 @@ Chapter 2, notebooks/02_floating_point_and_loss_scaling.ipynb. An update smaller
 ulp of a bf16 weight rounds away; keeping the weights (and the optimizer) in fp32 and copying
 them, rounded, into the low-precision model after each step keeps those digits (Micikevicius
 et al. 2018, "Mixed Precision Training", section 3.1).
+
+Under data parallelism the masters must step on the gradient *averaged over ranks*. Autograd's
+per-parameter hook fires before DDP's all-reduce has averaged anything, so when the model is a
+``minitrain.ddp.DataParallel`` the masters take each gradient from DDP's own "averaged" hook
+instead (Li et al. 2020, "PyTorch Distributed", §3.2: the average is only known after the
+bucket's all-reduce).
 """
 
 from __future__ import annotations
@@ -13,8 +19,9 @@ from torch import nn
 
 
 def _accumulate_into_master(master: torch.Tensor, param: torch.Tensor) -> None:
-    # Called by autograd once param.grad is complete: move it into an fp32 buffer, so gradient
-    # accumulation over micro-batches happens in fp32 and the low-precision grad is freed.
+    # Called once param.grad is complete (alone: by autograd; under DataParallel: once the
+    # average is written): move it into an fp32 buffer, so gradient accumulation over
+    # micro-batches happens in fp32 and the low-precision grad is freed.
     grad = param.grad.to(torch.float32)
     master.grad = grad if master.grad is None else master.grad.add_(grad)
     param.grad = None
@@ -24,10 +31,19 @@ class MasterWeightOptimizer:
     """Mixed precision by hand: fp16/bf16 model, fp32 master weights and optimizer state.
 
     Forward and backward run in the model's precision; each gradient is moved into an fp32
-    `.grad` on its master copy as soon as backward produces it; `step()` updates the masters
-    in fp32 with `optimizer_cls(masters, **kw)` and copies them back, rounded, to the model.
+    `.grad` on its master copy as soon as it is final; `step()` updates the masters in fp32
+    with `optimizer_cls(masters, **kw)` and copies them back, rounded, to the model.
     `param_groups` are the masters', so `DynamicLossScaler` (or torch's GradScaler) unscales
     fp32 gradients.
+
+    When is a gradient final? On one process, when autograd has accumulated it
+    (`register_post_accumulate_grad_hook`). When `model` is a `minitrain.ddp.DataParallel`
+    (wrap first, then build this optimizer on the wrapper), only once DDP has averaged it
+    over ranks: the move then hangs on DDP's `register_averaged_grad_hook`, so every rank's
+    masters step on the same, averaged gradient. Each synchronised backward is added to the
+    masters in fp32; backwards under `no_sync()` accumulate locally in the model's dtype
+    first (DDP sums them in `.grad`, as torch's DDP does) and reach the masters at the next
+    synchronised backward.
     """
 
     def __init__(self, model: nn.Module, optimizer_cls, **kw):
@@ -38,10 +54,18 @@ class MasterWeightOptimizer:
             p.detach().to(torch.float32).clone().requires_grad_(True) for p in self.model_params
         ]
         self.optimizer = optimizer_cls(self.master_params, **kw)
-        for p, m in zip(self.model_params, self.master_params):
-            p.register_post_accumulate_grad_hook(
-                lambda param, master=m: _accumulate_into_master(master, param)
-            )
+        master_of = dict(zip(self.model_params, self.master_params))  # Parameters hash by id
+
+        def move(param):
+            _accumulate_into_master(master_of[param], param)
+
+        # duck-typed, so chapter 2 needs nothing from chapter 4: a DataParallel offers the hook
+        averaged_hook = getattr(model, "register_averaged_grad_hook", None)
+        if averaged_hook is not None:
+            averaged_hook(move)  # after the all-reduce: the average
+        else:
+            for p in self.model_params:
+                p.register_post_accumulate_grad_hook(move)  # alone: this gradient is final
 
     @property
     def param_groups(self):

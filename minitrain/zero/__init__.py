@@ -6,6 +6,7 @@ Used by notebooks/05_zero.ipynb (Rajbhandari et al. 2020, "ZeRO"). Files by role
 - ``optimizer.py``: ``ShardedOptimizer``, ZeRO-1 as a drop-in optimizer under DDP;
 - ``buffers.py``: ``FlatUnit``, parameters packed into one flat buffer padded to N slices;
 - ``data_parallel.py``: ``ZeroDataParallel``, stages 1-3 with optional offload;
+- ``mixed_precision.py``: low-precision units with fp32 master shards (``compute_dtype``);
 - ``accounting.py``: the paper's memory and communication formulas, and the measured bytes;
 - ``checkpoint.py``: sharded, atomic checkpoints that reshard onto another world size.
 """

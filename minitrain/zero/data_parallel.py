@@ -10,7 +10,9 @@ them into N slices, rank r keeping slice r (§5, Figure 1):
 - stage 2 (P_os+g): gradients too               2Ψ + (2 + K)Ψ/N
 - stage 3 (P_os+g+p): parameters too            (2 + 2 + K)Ψ/N
 
-This course runs fp32, so the same formulas read 4Ψ + 4Ψ + 8Ψ/N etc. (``memory_formula``).
+By default this course runs fp32, so the same formulas read 4Ψ + 4Ψ + 8Ψ/N etc.
+(``memory_formula``); ``compute_dtype=torch.bfloat16`` gives the paper's mixed precision
+(mixed_precision.py), and ``loss_scaler`` its dynamic loss scaling, agreed by all ranks.
 Communication (§7): stages 1 and 2 reduce-scatter the gradients and all-gather the updated
 parameters, the same 2Ψ as DP's all-reduce; stage 3 gathers the parameters twice (forward
 and backward) and reduce-scatters the gradients: 3Ψ (``communication_formula``).
@@ -19,7 +21,8 @@ Two ways in: ``ShardedOptimizer`` (ZeRO-1 as a drop-in optimizer, used under DDP
 ``ZeroDataParallel`` (the data-parallel wrapper, stages 1-3, with optional CPU offload of
 the optimizer, Ren et al. 2021 "ZeRO-Offload"). This file is ``ZeroDataParallel``; the
 package's other files: partition.py and optimizer.py (ZeRO-1), buffers.py (flat padded
-units), accounting.py (formulas and byte counts), checkpoint.py (sharded checkpoints).
+units), mixed_precision.py (low-precision units, fp32 master shards), accounting.py (formulas
+and byte counts), checkpoint.py (sharded checkpoints).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from minitrain.zero.buffers import (
     timed,
     wait_timed,
 )
+from minitrain.zero.mixed_precision import cast_inputs, cast_rest, cast_unit
 
 
 def _tensors_requiring_grad(out):
@@ -64,6 +68,25 @@ class ZeroDataParallel(nn.Module):
     gathers parameters per *unit*: ``units`` (modules; default ``module.blocks`` if present,
     else the module's children) plus a root unit for every other parameter. ``offload=True``
     keeps the optimizer state and its step on the host (``"cpu"``), ZeRO-Offload.
+
+    Ranks may use different parameters (data-dependent branches): every unit's gradients are
+    reduce-scattered in one fixed order on every rank — a complete unit waits for all earlier
+    ones, as chapter 4's buckets do — and a parameter this rank did not use contributes zeros
+    at the end of backward. A parameter *no* rank used gets a zero gradient (a flat shard
+    cannot tell "unused" from "zero"), so unlike DDP's ``None`` AdamW still decays it. Stage
+    3 gathers on a second process group of the same ranks, so its gathers and reduce-scatters
+    each keep one order on every rank. It gathers a unit when its forward runs: every rank
+    must run every unit's forward (which parameters it uses inside may differ).
+
+    ``compute_dtype`` (e.g. ``torch.bfloat16``): parameters are held, gathered and used for
+    forward/backward in that dtype (floating-point inputs are cast to it); each rank keeps an
+    fp32 master of its shard (``unit.master``) and fp32 optimizer state; gradients are cast
+    to fp32 before they are reduce-scattered; the step rounds the masters back into the
+    units (Micikevicius et al. 2018; mixed_precision.py). ``loss_scaler`` (a
+    ``minitrain.precision.DynamicLossScaler``): scale the loss with it
+    (``zdp.loss_scaler.scale(loss).backward()``); ``step()`` unscales the fp32 shard
+    gradients, skips the update on *every* rank if any rank's shard held inf/NaN, and calls
+    ``update()``, so the scale stays the same on all ranks.
     """
 
     def __init__(
@@ -73,6 +96,8 @@ class ZeroDataParallel(nn.Module):
         stage: int,
         group=None,
         bucket_cap_mb: float = 25.0,
+        compute_dtype: torch.dtype | None = None,
+        loss_scaler=None,
         offload: bool = False,
         units=None,
         **kw,
@@ -80,7 +105,13 @@ class ZeroDataParallel(nn.Module):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeroDataParallel: stage must be 1, 2 or 3, got {stage!r}")
+        if compute_dtype is not None and not compute_dtype.is_floating_point:
+            raise ValueError(
+                "ZeroDataParallel: compute_dtype must be a floating-point dtype, "
+                f"got {compute_dtype!r}"
+            )
         self.module, self.stage, self.group, self.offload = module, stage, group, offload
+        self.compute_dtype, self.loss_scaler = compute_dtype, loss_scaler
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
@@ -116,9 +147,17 @@ class ZeroDataParallel(nn.Module):
         self.root = self.units[-1] if stage == 3 else None
         self.units = [u for u in self.units if u is not None] if stage < 3 else self.units
         self._where = {p: (u, k) for u in self.live_units() for k, p in enumerate(u.params)}
+        # the optimizer steps a separate fp32 tensor when it lives on the host or the units
+        # hold a low precision; otherwise the master *is* the shard (no copy)
+        self._separate_master = offload or compute_dtype is not None
         for u in self.live_units():
             host = torch.device("cpu") if offload else u.shard.device
-            u.master = nn.Parameter(u.shard.detach().to(host, copy=offload))
+            # from the fp32 weights, before any rounding: the master keeps every digit
+            master_dtype = u.shard.dtype if compute_dtype is None else torch.float32
+            master = u.shard.detach().to(host, master_dtype, copy=self._separate_master)
+            u.master = nn.Parameter(master)
+            if compute_dtype is not None:
+                cast_unit(u, compute_dtype, self.rank, own_shard=stage == 3)
             if stage == 1:  # p.grad are views of one flat buffer, which autograd accumulates into
                 u.grad_full = torch.zeros_like(u.full)
                 for k, p in enumerate(u.params):
@@ -126,8 +165,25 @@ class ZeroDataParallel(nn.Module):
             else:
                 for p in u.params:
                     p.register_post_accumulate_grad_hook(self._grad_hook)
+        if compute_dtype is not None:
+            cast_rest(module, compute_dtype, {id(p) for p in self._where})
         self.optimizer = optimizer_cls([u.master for u in self.live_units()], **kw)
+        # the order every rank reduce-scatters its units in: the order backward normally
+        # completes them (stages 1-2: the buckets; stage 3: last block first, the root last)
+        if stage < 3:
+            self._reduce_order = list(self.units)
+        else:
+            self._reduce_order = [u for u in reversed(self.units[:-1]) if u is not None]
+            self._reduce_order += [self.root] if self.root is not None else []
+        self._to_reduce = list(self._reduce_order)
         if stage == 3:
+            # Backward issues all-gathers (re-gather, prefetch) between the reduce-scatters,
+            # and which reduce-scatters come before a given gather depends on the parameters
+            # this rank used. Collectives of one group pair up by position, so the two kinds
+            # travel on two groups of the same ranks, each in one order on every rank (as
+            # FSDP keeps them on two streams).
+            ranks = None if group is None else dist.get_process_group_ranks(group)
+            self._gather_group = dist.new_group(ranks)
             for i, block in enumerate(self.blocks):
                 block.register_forward_pre_hook(functools.partial(self._pre_hook, i))
                 block.register_forward_hook(functools.partial(self._post_hook, i))
@@ -141,6 +197,9 @@ class ZeroDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
+        if self.compute_dtype is not None:
+            args = cast_inputs(args, self.compute_dtype)
+            kwargs = cast_inputs(kwargs, self.compute_dtype)
         if self.stage < 3:
             return self.module(*args, **kwargs)
         if self.root is not None:  # embeddings/head: gathered for the whole forward
@@ -164,7 +223,9 @@ class ZeroDataParallel(nn.Module):
         u.launched = trace.now()
         # .data: the collective writes through an alias with its own version counter, so the
         # tensors autograd saved (views of u.full) are not flagged as modified in place
-        u.work = timed(all_gather_tensor(u.full.data, u.shard, group=self.group, async_op=True))
+        u.work = timed(
+            all_gather_tensor(u.full.data, u.shard, group=self._gather_group, async_op=True)
+        )
         count_sent("all_gather", u.padded * u.full.element_size(), self.world_size)
         u.state = "gathering"
 
@@ -246,41 +307,56 @@ class ZeroDataParallel(nn.Module):
             self._callback_queued, self._backward_start = True, trace.now()
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
+    def _new_grad_full(self, u):
+        # fp32 under compute_dtype: low-precision gradients are summed, and reduced, in fp32
+        return torch.zeros(u.padded, dtype=u.master.dtype, device=u.shard.device)
+
     def _grad_hook(self, param):
         """Autograd calls this once ``param.grad`` holds the gradient (it passes the parameter):
-        copy it into its unit's flat buffer and drop it; a full unit starts its reduce-scatter."""
+        copy it into its unit's flat buffer and drop it; complete units start their
+        reduce-scatters, in order."""
         self._arm_callback()
         u, k = self._where[param]
         if u.grad_full is None:  # allocated by the unit's first gradient, freed once reduced
-            u.grad_full = torch.zeros(u.padded, dtype=u.shard.dtype, device=u.shard.device)
+            u.grad_full = self._new_grad_full(u)
         u.slot(u.grad_full, k).add_(param.grad.reshape(-1))
         param.grad = None
         u.ready += 1
         if u.ready == len(u.params):
-            self._launchreduce_scatter_tensor(u)
+            if self.stage == 3:  # every use of its parameters in backward is done: free them
+                if u.backward_start is not None:  # (its gradients are safe in u.grad_full)
+                    trace.record(f"backward {u.name}", "compute", u.backward_start, trace.now())
+                    u.backward_start = None
+                self._free(u)
+            self._launch_ready_units()
 
-    def _launchreduce_scatter_tensor(self, u):
-        out = torch.empty_like(u.shard)
+    def _launch_ready_units(self):
+        """Start the reduce-scatter of each complete unit, strictly in ``self._reduce_order``:
+        a collective pairs the i-th call of every rank, so all ranks must launch the units in
+        one order even when they used different parameters and completed them differently
+        (chapter 4's ``_launch_ready_buckets``)."""
+        while self._to_reduce:
+            u = self._to_reduce[0]
+            if u.ready < len(u.params):
+                return  # a later unit may be complete, but it must wait for this one
+            self._launch_reduce_scatter(self._to_reduce.pop(0))
+
+    def _launch_reduce_scatter(self, u):
+        out = torch.empty(u.shard_numel, dtype=u.grad_full.dtype, device=u.grad_full.device)
         u.launched = trace.now()
         work = timed(reduce_scatter_tensor(out, u.grad_full, group=self.group, async_op=True))
         count_sent("reduce_scatter", u.padded * u.grad_full.element_size(), self.world_size)
         self._pending.append((u, out, work, u.launched))
-        if self.stage == 3:  # every use of its parameters in backward is done: free them
-            if u.backward_start is not None:
-                trace.record(f"backward {u.name}", "compute", u.backward_start, u.launched)
-                u.backward_start = None
-            self._free(u)
-        u.ready = -1  # launched
 
     def _finish_backward(self):
         """End of backward: reduce-scatter what is left, wait for all, keep only the shards."""
         if self.stage == 2:  # (stage 3 records each block's backward instead)
             trace.record("backward", "compute", self._backward_start, trace.now())
-        for u in self.live_units():  # parameters that got no gradient contribute zeros
-            if u.ready != -1:
-                if u.grad_full is None:
-                    u.grad_full = torch.zeros(u.padded, dtype=u.shard.dtype, device=u.shard.device)
-                self._launchreduce_scatter_tensor(u)
+        for u in self._to_reduce:  # parameters this rank did not use contribute zeros
+            if u.grad_full is None:
+                u.grad_full = self._new_grad_full(u)
+            u.ready = len(u.params)
+        self._launch_ready_units()
         for u, out, work, launched in self._pending:
             trace.record(f"reduce-scatter {u.name}", "communication", launched, wait_timed(work))
             out.div_(self.world_size)
@@ -290,11 +366,13 @@ class ZeroDataParallel(nn.Module):
             for u in self.live_units():
                 self._free(u)
         self._pending, self._callback_queued = [], False
+        self._to_reduce = list(self._reduce_order)
 
     # ------------------------------------------------------------------ the step
     def step(self):
         """Average gradients (stage 1: now, stages 2-3: done during backward), update this
-        rank's shard, then (stages 1-2) all-gather the updated parameters."""
+        rank's shard, then (stages 1-2) all-gather the updated parameters. With a
+        ``loss_scaler``: unscale, agree on overflow across ranks, step or skip, update S."""
         if self.stage == 1:
             for u in self.live_units():
                 for k, p in enumerate(u.params):  # a grad someone replaced: copy it in
@@ -303,18 +381,24 @@ class ZeroDataParallel(nn.Module):
                         slot.zero_()
                     elif p.grad.data_ptr() != slot.data_ptr():
                         slot.copy_(p.grad.reshape(-1))
-                u.grad_shard = torch.empty_like(u.shard)
-                reduce_scatter_tensor(u.grad_shard, u.grad_full, group=self.group)
-                count_sent("reduce_scatter", u.padded * u.grad_full.element_size(), self.world_size)
+                grad_full = u.grad_full.to(u.master.dtype)  # fp32 for the sum (one unit at a time)
+                u.grad_shard = torch.empty(
+                    u.shard_numel, dtype=grad_full.dtype, device=grad_full.device
+                )
+                reduce_scatter_tensor(u.grad_shard, grad_full, group=self.group)
+                count_sent("reduce_scatter", u.padded * grad_full.element_size(), self.world_size)
                 u.grad_shard.div_(self.world_size)
         for u in self.live_units():
-            g = u.grad_shard if u.grad_shard is not None else torch.zeros_like(u.shard)
+            g = u.grad_shard if u.grad_shard is not None else torch.zeros_like(u.master)
             u.master.grad = g.to(u.master.device, copy=self.offload)
         with trace.span("optimizer step", "compute"):
-            self.optimizer.step()
+            if self.loss_scaler is None:
+                self.optimizer.step()
+            else:
+                self._scaled_step()
         with torch.no_grad():
             for u in self.live_units():
-                if self.offload:  # the updated slice travels back to the device
+                if self._separate_master:  # the updated slice, rounded, travels back to the unit
                     u.shard.copy_(u.master)
                 u.master.grad = None
                 if self.stage == 1:
@@ -324,6 +408,16 @@ class ZeroDataParallel(nn.Module):
                     all_gather_tensor(u.full, u.shard.clone(), group=self.group)
                     count_sent("all_gather", u.padded * u.full.element_size(), self.world_size)
                     trace.record(f"all-gather {u.name}", "communication", t0, trace.now())
+
+    def _scaled_step(self):
+        """Dynamic loss scaling over shards (Micikevicius et al. 2018, §3.2): each rank sees
+        only its slice of the gradients, so an overflow may show on one rank alone. The
+        verdict is all-reduced first, so every rank skips, or steps, and updates S alike."""
+        scaler = self.loss_scaler
+        scaler.unscale_(self.optimizer)  # this rank's fp32 shard gradients ÷ S, its inf check
+        scaler.all_reduce_found_inf(self.optimizer, self.group)  # inf anywhere → inf everywhere
+        scaler.step(self.optimizer)  # skipped on every rank, or taken on every rank
+        scaler.update()
 
     def zero_grad(self, set_to_none: bool = True):
         for u in self.live_units():
@@ -358,12 +452,14 @@ class ZeroDataParallel(nn.Module):
         grads = [p.grad for p in self.module.parameters()]
         grads += [t for u in units for t in (u.grad_full, u.grad_shard)]
         state = optimizer_state_tensors(self.optimizer)
-        host = state + [u.master for u in units] if self.offload else []
+        # a separate master is optimizer state (the paper's K = 12 counts it); otherwise it
+        # is the shard itself, already counted in "params"
+        state += [u.master for u in units] if self._separate_master else []
         return {
             "params": storage_bytes(params),
             "grads": storage_bytes(grads),
             "optimizer": 0 if self.offload else storage_bytes(state),
-            "host": storage_bytes(host),
+            "host": storage_bytes(state) if self.offload else 0,
         }
 
     def refresh_from_shards(self) -> None:
