@@ -48,6 +48,7 @@ class Mutation(NamedTuple):
 
 
 DDP, FP8 = "minitrain/ddp/data_parallel.py", "minitrain/precision/fp8.py"
+ZERO, COMPOSE = "minitrain/zero/data_parallel.py", "tests/test_composition.py"
 MUTATIONS = [
     Mutation(
         "no_sync no-op",
@@ -110,6 +111,51 @@ MUTATIONS = [
             "tests/test_checkpointing.py::test_choose_segments_is_the_smallest_k_of_least_peak",
             "tests/grading/test_ch03_checkpointing.py::test_choose_segments_breaks_ties_with_fewer_segments",
         ],
+    ),
+    # issue 12: techniques compose (tests/test_composition.py)
+    Mutation(
+        "ZeRO: readiness-order reduce-scatter",
+        ZERO,
+        "        while self._to_reduce:\n"
+        "            u = self._to_reduce[0]\n"
+        "            if u.ready < len(u.params):\n"
+        "                return  # a later unit may be complete, but it must wait for this one\n"
+        "            self._launch_reduce_scatter(self._to_reduce.pop(0))\n",
+        "        for u in [u for u in self._to_reduce if u.ready == len(u.params)]:\n"
+        "            self._to_reduce.remove(u)  # whichever unit this rank completed first\n"
+        "            self._launch_reduce_scatter(u)\n",
+        [
+            f"{COMPOSE}::test_zero_ranks_using_different_parameters_match_one_process[2-2]",
+            f"{COMPOSE}::test_zero_ranks_using_different_parameters_match_one_process[3-3]",
+        ],
+    ),
+    Mutation(
+        "DDP: unused parameter given a zero gradient",
+        DDP,
+        "if bucket.used[k] == 0:",
+        "if False:",
+        [f"{COMPOSE}::test_ddp_unused_parameters_match_torch_ddp[2-torch]"],
+    ),
+    Mutation(
+        "master copy before the average",
+        "minitrain/precision/master_weights.py",
+        'averaged_hook = getattr(model, "register_averaged_grad_hook", None)',
+        "averaged_hook = None",
+        [f"{COMPOSE}::test_master_weights_under_ddp_match_fp32_master_loop[2]"],
+    ),
+    Mutation(
+        "loss scaler deciding per rank",
+        ZERO,
+        "        scaler.all_reduce_found_inf(self.optimizer, self.group)  # inf anywhere → inf everywhere\n",
+        "",
+        [f"{COMPOSE}::test_zero_fp16_overflow_on_one_rank_skips_everywhere[2]"],
+    ),
+    Mutation(
+        "ZeRO stage 3: gathers share the reduce-scatters' group",
+        ZERO,
+        "group=self._gather_group, async_op=True",
+        "group=self.group, async_op=True",
+        [f"{COMPOSE}::test_zero_ranks_using_different_parameters_match_one_process[2-3]"],
     ),
 ]
 
