@@ -86,15 +86,23 @@ def measure(
     world: int = 2,
     bucket_mb: float = 1.0,
 ) -> dict:
-    """{"step_time": {name: median of the slowest rank's step}, "sent": {name: bytes rank 0
-    sent in one step}, "padded": {name: Ψ as stored, padding included}}."""
+    """{"step_time": {name: median of the slowest rank's step}, "spread": {name: its first and
+    third quartiles}, "sent": {name: bytes rank 0 sent in one step}, "padded": {name: Ψ as
+    stored, padding included}}."""
     res = launch(_rank_measure, world, variants, config, steps, batch, bucket_mb, timeout=900)
-    step_time = {
-        name: statistics.median(max(r["times"][name][i] for r in res) for i in range(steps))
-        for name in variants
+    slowest = {
+        name: [max(r["times"][name][i] for r in res) for i in range(steps)] for name in variants
+    }
+    step_time = {name: statistics.median(t) for name, t in slowest.items()}
+    # the spread: first and third quartiles of the same per-step times (a slow moment of a
+    # shared machine moves the median little, the spread shows it happened)
+    spread = {
+        name: tuple(statistics.quantiles(t, n=4)[::2]) if len(t) > 1 else (t[0], t[0])
+        for name, t in slowest.items()
     }
     return {
         "step_time": step_time,
+        "spread": spread,
         "sent": res[0]["sent"],
         "padded": res[0]["padded"],
         "world": world,
@@ -106,7 +114,8 @@ def report(result: dict, num_params: int) -> str:
 
     base, world = result["step_time"][DP], result["world"]
     lines = [
-        f"{'variant':<18} {'step (ms)':>9} {'vs DP':>7} {'sent/step (bytes)':>18} {'formula':>12}"
+        f"{'variant':<18} {'step (ms)':>9} {'p25-p75 (ms)':>13} {'vs DP':>7} "
+        f"{'sent/step (bytes)':>18} {'formula':>12}"
     ]
     for name, t in result["step_time"].items():
         kw = VARIANTS.get(name) or {}
@@ -115,7 +124,11 @@ def report(result: dict, num_params: int) -> str:
         # DP uses torch's all_reduce, which minitrain.zero does not count: formula only
         sent = f"{result['sent'][name]:,}" if stage else "(not counted)"
         formula = communication_formula(psi, world, stage)
-        lines.append(f"{name:<18} {t * 1e3:9.1f} {t / base:6.2f}x {sent:>18} {formula:>12,.0f}")
+        lo, hi = result.get("spread", {}).get(name, (t, t))
+        spread = f"{lo * 1e3:.1f}-{hi * 1e3:.1f}"
+        lines.append(
+            f"{name:<18} {t * 1e3:9.1f} {spread:>13} {t / base:6.2f}x {sent:>18} {formula:>12,.0f}"
+        )
     return "\n".join(lines)
 
 
