@@ -86,8 +86,14 @@ class ShardedUnits(nn.Module):
         for i, block in enumerate(self.blocks):
             block.register_forward_pre_hook(functools.partial(self._pre_hook, i))
             block.register_forward_hook(functools.partial(self._post_hook, i))
+        self._gathered = sum(u.full.untyped_storage().nbytes() for u in self.live_units())
         for u in self.live_units():
             self._free(u)
+        self.peak_gathered_bytes = 0
+
+    def reset_peak_gathered_bytes(self) -> None:
+        """Start measuring the most bytes of gathered (full) units held at one time anew."""
+        self.peak_gathered_bytes = self._gathered
 
     # ------------------------------------------------------------------ forward
     def _sharded_forward(self, *args, **kwargs):
@@ -111,6 +117,8 @@ class ShardedUnits(nn.Module):
         if u is None or u.state != "free":
             return
         u.full.untyped_storage().resize_(u.padded * u.full.element_size())
+        self._gathered += u.padded * u.full.element_size()
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered)
         u.launched = trace.now()
         # .data: the collective writes through an alias with its own version counter, so the
         # tensors autograd saved (views of u.full) are not flagged as modified in place
@@ -136,6 +144,7 @@ class ShardedUnits(nn.Module):
             wait_timed(u.work)
         with trace.span(f"free {u.name}", "memory"):
             u.full.untyped_storage().resize_(0)
+        self._gathered -= u.padded * u.full.element_size()
         u.state = "free"
 
     def _pre_hook(self, index, module, args):
@@ -210,11 +219,17 @@ class ShardedUnits(nn.Module):
         """End of backward: reduce what is left, wait for all, hand each average on."""
         if not self._gathers:  # (with gathers, each block's backward is recorded instead)
             trace.record("backward", "compute", self._backward_start, trace.now())
+        self._launch_remaining()
+        self._wait_reductions()
+
+    def _launch_remaining(self):
         for u in self._to_reduce:  # parameters this rank did not use contribute zeros
             if u.grad_full is None:
                 u.grad_full = self._new_grad_full(u)
             u.ready = len(u.params)
         self._launch_ready_units()
+
+    def _wait_reductions(self):
         for u, out, work, launched in self._pending:
             kind = "all-reduce" if u.keep_full else "reduce-scatter"
             trace.record(f"{kind} {u.name}", "communication", launched, wait_timed(work))
