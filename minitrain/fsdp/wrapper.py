@@ -22,9 +22,8 @@ import torch.distributed as dist
 from minitrain import trace
 from minitrain.ddp import broadcast_from_first_rank
 from minitrain.fsdp.clipping import clip_grad_norm_
-from minitrain.zero import FlatUnit
 from minitrain.zero.accounting import count_sent
-from minitrain.zero.buffers import all_gather_tensor, reduce_scatter_tensor, timed
+from minitrain.zero.buffers import FlatUnit, all_gather_tensor, reduce_scatter_tensor, timed
 from minitrain.zero.mixed_precision import attach_master, cast_inputs, cast_rest
 from minitrain.zero.sharded_units import ShardedUnits, split_into_units, tensors_requiring_grad
 
@@ -163,7 +162,7 @@ class FullyShardedDataParallel(ShardedUnits):
     def _post_forward(self, index, output):
         """After unit ``index``'s forward: record it, free it, and arrange its re-gather.
 
-        ``trace.record(f"forward {unit name}", "compute", self._unit_start, trace.now())``,
+        ``trace.record(f"forward block {index}", "compute", self._unit_start, trace.now())``,
         free ``self.units[index]`` (``self._free``), and if grad is enabled, register on every
         tensor of ``output`` that requires grad (``tensors_requiring_grad(output)``: the
         output may be a tuple) a hook calling ``self._pre_backward(index)``, which gathers the
@@ -171,9 +170,8 @@ class FullyShardedDataParallel(ShardedUnits):
         """
         ### BEGIN SOLUTION
         # HINT: tensor.register_hook(fn) calls fn(grad) when backward reaches that tensor
-        unit = self.units[index]
         trace.record(f"forward block {index}", "compute", self._unit_start, trace.now())
-        self._free(unit)
+        self._free(self.units[index])
         for t in tensors_requiring_grad(output) if torch.is_grad_enabled() else []:
             t.register_hook(lambda grad: self._pre_backward(index))
         ### END SOLUTION
@@ -186,7 +184,7 @@ class FullyShardedDataParallel(ShardedUnits):
         (``reduce_scatter_tensor(out, u.grad_full, group=self.group, async_op=True)``): rank
         r receives the sum of slice r. The replicated unit (``u.keep_full``): all-reduce
         ``u.grad_full`` in place (``out`` is then ``u.grad_full`` itself). Count the bytes
-        (``count_sent(kind, u.padded * 4, self.world_size)``, kind "reduce_scatter" or
+        (``count_sent(kind, u.padded * 4, self.world_size)``: 4 bytes, fp32; "reduce_scatter" or
         "all_reduce"), and append ``(u, out, timed(work), start time)`` to ``self._pending``;
         the end of backward waits for them and divides by N.
         """
