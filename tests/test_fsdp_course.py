@@ -273,3 +273,25 @@ def test_deepcopy_reference_is_independent():
     before = copy.deepcopy(m.state_dict())
     one_process_reference(m, [(_batch(0)[0], _batch(0)[1], _mse)])
     assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items())
+
+
+def _clip_replicated():
+    from minitrain.fsdp import FullyShardedDataParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = Toy()
+    fsdp = FullyShardedDataParallel(model, replicated_params=list(model.out.parameters()))
+    x, y = _batch(0, rank, world)
+    _mse(fsdp(x), y).backward()
+    return float(fsdp.clip_grad_norm_(0.05)), fsdp.full_state_dict()
+
+
+def test_clip_with_replicated_params_equals_torch():
+    """Replicated gradients are whole on every rank: counted once in the norm, not N times."""
+    torch.manual_seed(0)
+    model = Toy()
+    _mse(model(_batch(0)[0]), _batch(0)[1]).backward()
+    want = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+    for norm, _ in launch(_clip_replicated, 3, timeout=60):
+        assert abs(norm - want) <= 1e-6 * want, f"total norm {norm}, torch says {want}"
