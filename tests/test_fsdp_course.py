@@ -295,3 +295,22 @@ def test_clip_with_replicated_params_equals_torch():
     want = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
     for norm, _ in launch(_clip_replicated, 3, timeout=60):
         assert abs(norm - want) <= 1e-6 * want, f"total norm {norm}, torch says {want}"
+
+
+def _evaluate():
+    from minitrain.fsdp import FullyShardedDataParallel
+
+    torch.manual_seed(0)
+    fsdp = FullyShardedDataParallel(Toy(), compute_dtype=None)
+    with torch.no_grad():
+        out = fsdp(_batch(0)[0])
+    held = [u.full.untyped_storage().nbytes() for u in fsdp.units if u is not None]
+    return out, held
+
+
+def test_evaluation_under_no_grad_gathers_and_frees():
+    torch.manual_seed(0)
+    want = Toy()(_batch(0)[0])
+    for out, held in launch(_evaluate, 2, timeout=60):
+        assert torch.allclose(out, want, atol=1e-6), (out - want).abs().max()
+        assert held == [0] * len(held), f"units still gathered after an evaluation: {held}"
