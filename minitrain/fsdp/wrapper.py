@@ -37,8 +37,10 @@ class FullyShardedDataParallel(ShardedUnits):
     bracket the blocks). Each unit's shard is an ``nn.Parameter`` registered on the unit's
     module as ``flat_shard`` (the root's on ``module``; the replicated parameters' as
     ``module.flat_replicated``); the original parameters become plain attributes, views of
-    the gathered buffer. Ranks may use different parameters: reductions run in one fixed
-    unit order, unused parameters contribute zeros. Every rank must run every unit's forward.
+    the gathered buffer. Ranks may use different parameters, and skip units: reductions run
+    in one fixed unit order (unused parameters contribute zeros; a unit no rank used keeps
+    ``.grad`` None), gathers are launched in unit order with skipped units caught up. Units
+    are assumed to run in the order they are listed (as stage 3 assumes).
     """
 
     stage = 3  # for the sharded checkpoints of minitrain.zero
