@@ -1,19 +1,20 @@
-"""Chapter 5 solutions — generated from minitrain.zero.partition, minitrain.zero.optimizer, minitrain.zero.data_parallel.
+"""Chapter 5 solutions — generated from minitrain.zero.partition, minitrain.zero.optimizer, minitrain.zero.data_parallel, minitrain.fsdp.wrapper.
 
 The worked answers. Look one up when you are stuck; the library has them too.
 """
 
 from __future__ import annotations
 
-import functools
 import torch
 import torch.distributed as dist
 from torch import nn
 from minitrain import trace
 from minitrain.ddp import assign_buckets, broadcast_from_first_rank
+from minitrain.fsdp.clipping import clip_grad_norm_
 from minitrain.zero.accounting import count_sent, optimizer_state_tensors, storage_bytes
-from minitrain.zero.buffers import FlatUnit, all_gather_tensor, reduce_scatter_tensor, timed, wait_timed
-from minitrain.zero.mixed_precision import cast_inputs, cast_rest, cast_unit
+from minitrain.zero.buffers import FlatUnit, all_gather_tensor, reduce_scatter_tensor, timed
+from minitrain.zero.mixed_precision import attach_master, cast_inputs, cast_rest
+from minitrain.zero.sharded_units import ShardedUnits, split_into_units, tensors_requiring_grad
 
 
 def partition_parameters(sizes: list[int], world_size: int) -> list[list[int]]:
@@ -121,4 +122,67 @@ class ZeroDataParallel:
             output.register_hook(lambda grad: self._pre_backward(index))
         ### END SOLUTION
 
-# minitrain-exercises-hash: c0c90e27c5648beb
+
+class FullyShardedDataParallel:
+    # Only the methods you write; the rest of the class is in minitrain.fsdp.wrapper.
+
+    def _pre_forward(self, index):
+        """Before unit ``index``'s forward (Zhao et al. 2023, §3.1): its parameters whole.
+
+        Launch, in unit order, the gathers up to the *next* unit (``self._gather_in_order(
+        index + 1)``: this unit's, if no prefetch did, and the next one's, so it travels while
+        this unit computes, §3.3); free the earlier units (``self._free``: a branch may have
+        skipped one, then its prefetched gather is still held); wait for this unit's gather
+        (``self._wait_gather``); note the start: ``self._unit_start = trace.now()``.
+        """
+        ### BEGIN SOLUTION
+        # HINT: self.units[:index] are the earlier units; _free and _wait_gather accept None
+        self._gather_in_order(index + 1)
+        for earlier in self.units[:index]:
+            self._free(earlier)
+        self._wait_gather(self.units[index])
+        self._unit_start = trace.now()
+        ### END SOLUTION
+
+    def _post_forward(self, index, output):
+        """After unit ``index``'s forward: record it, free it, and arrange its re-gather.
+
+        ``trace.record(f"forward block {index}", "compute", self._unit_start, trace.now())``,
+        free ``self.units[index]`` (``self._free``), and if grad is enabled, register on every
+        tensor of ``output`` that requires grad (``tensors_requiring_grad(output)``: the
+        output may be a tuple) a hook calling ``self._pre_backward(index)``, which gathers the
+        unit again just before its backward runs.
+        """
+        ### BEGIN SOLUTION
+        # HINT: tensor.register_hook(fn) calls fn(grad) when backward reaches that tensor
+        trace.record(f"forward block {index}", "compute", self._unit_start, trace.now())
+        self._free(self.units[index])
+        for t in tensors_requiring_grad(output) if torch.is_grad_enabled() else []:
+            t.register_hook(lambda grad: self._pre_backward(index))
+        ### END SOLUTION
+
+    def _launch_reduce_scatter(self, u):
+        """Start the averaging of unit ``u``'s complete fp32 gradient ``u.grad_full``.
+
+        A sharded unit: reduce-scatter it into a new tensor of ``u.shard_numel`` elements
+        (``reduce_scatter_tensor(out, u.grad_full, group=self.group, async_op=True)``): rank
+        r receives the sum of slice r. The replicated unit (``u.keep_full``): all-reduce
+        ``u.grad_full`` in place (``out`` is then ``u.grad_full`` itself). Count the bytes
+        (``count_sent(kind, u.padded * 4, self.world_size)``: 4 bytes, fp32; "reduce_scatter" or
+        "all_reduce"), and append ``(u, out, timed(work), start time)`` to ``self._pending``;
+        the end of backward waits for them and divides by N.
+        """
+        ### BEGIN SOLUTION
+        # HINT: dist.all_reduce(tensor, group=..., async_op=True) returns a work handle too
+        start, buf = trace.now(), u.grad_full
+        if u.keep_full:
+            out, kind = buf, "all_reduce"
+            work = dist.all_reduce(out, group=self.group, async_op=True)
+        else:
+            out, kind = torch.empty(u.shard_numel, dtype=buf.dtype, device=buf.device), "reduce_scatter"
+            work = reduce_scatter_tensor(out, buf, group=self.group, async_op=True)
+        count_sent(kind, u.padded * buf.element_size(), self.world_size)
+        self._pending.append((u, out, timed(work), start))
+        ### END SOLUTION
+
+# minitrain-exercises-hash: 966c7d93c36f923e

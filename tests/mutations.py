@@ -49,6 +49,18 @@ class Mutation(NamedTuple):
 
 DDP, FP8 = "minitrain/ddp/data_parallel.py", "minitrain/precision/fp8.py"
 ZERO, COMPOSE = "minitrain/zero/data_parallel.py", "tests/test_composition.py"
+# issue 14: stage 3's gather/free hooks and ordered reductions moved here, shared with FSDP
+SHARED, FSDP = "minitrain/zero/sharded_units.py", "minitrain/fsdp/wrapper.py"
+READINESS_ORDER = (
+    "        while self._to_reduce:\n"
+    "            u = self._to_reduce[0]\n"
+    "            if u.ready < len(u.params):\n"
+    "                return  # a later unit may be complete, but it must wait for this one\n"
+    "            self._launch_reduce_scatter(self._to_reduce.pop(0))\n",
+    "        for u in [u for u in self._to_reduce if u.ready == len(u.params)]:\n"
+    "            self._to_reduce.remove(u)  # whichever unit this rank completed first\n"
+    "            self._launch_reduce_scatter(u)\n",
+)
 MUTATIONS = [
     Mutation(
         "no_sync no-op",
@@ -115,15 +127,8 @@ MUTATIONS = [
     # issue 12: techniques compose (tests/test_composition.py)
     Mutation(
         "ZeRO: readiness-order reduce-scatter",
-        ZERO,
-        "        while self._to_reduce:\n"
-        "            u = self._to_reduce[0]\n"
-        "            if u.ready < len(u.params):\n"
-        "                return  # a later unit may be complete, but it must wait for this one\n"
-        "            self._launch_reduce_scatter(self._to_reduce.pop(0))\n",
-        "        for u in [u for u in self._to_reduce if u.ready == len(u.params)]:\n"
-        "            self._to_reduce.remove(u)  # whichever unit this rank completed first\n"
-        "            self._launch_reduce_scatter(u)\n",
+        SHARED,
+        *READINESS_ORDER,
         [
             f"{COMPOSE}::test_zero_ranks_using_different_parameters_match_one_process[2-2]",
             f"{COMPOSE}::test_zero_ranks_using_different_parameters_match_one_process[3-3]",
@@ -152,10 +157,49 @@ MUTATIONS = [
     ),
     Mutation(
         "ZeRO stage 3: gathers share the reduce-scatters' group",
-        ZERO,
+        SHARED,
         "group=self._gather_group, async_op=True",
         "group=self.group, async_op=True",
         [f"{COMPOSE}::test_zero_ranks_using_different_parameters_match_one_process[2-3]"],
+    ),
+    # issue 14: FSDP (minitrain/fsdp/), built on the same shared units
+    Mutation(
+        "FSDP reduce-scatter in readiness order",
+        SHARED,
+        *READINESS_ORDER,
+        ["tests/test_fsdp.py::test_unused_parameters_and_replicated_params_match_one_process"],
+    ),
+    Mutation(
+        "FSDP gathers not freed after forward",
+        FSDP,
+        "        self._free(self.units[index])\n        for t in",
+        "        for t in",
+        [
+            "tests/test_fsdp_course.py::test_bytes_peak_and_communication_equal_their_formulas",
+            "tests/grading/test_ch05_zero.py::test_fsdp_post_forward_frees_and_regathers_for_backward",
+        ],
+    ),
+    Mutation(
+        "FSDP unit no rank used gets a zero gradient (AdamW decays it)",
+        FSDP,
+        "        if id(u) in self._unused:\n            return",
+        "        pass",
+        ["tests/test_fsdp.py::test_unused_parameters_and_replicated_params_match_one_process"],
+    ),
+    Mutation(
+        "FSDP gathers launched per unit, not in order (ranks skipping blocks pair wrong ones)",
+        FSDP,
+        "        self._gather_in_order(index + 1)\n",
+        "        self._start_gather(self.units[index])\n"
+        "        self._start_gather(self.units[min(index + 1, len(self.blocks) - 1)])\n",
+        ["tests/test_fsdp_course.py::test_ranks_skipping_different_blocks_match_one_process"],
+    ),
+    Mutation(
+        "FSDP replicated gradients counted N times in the clipping norm",
+        "minitrain/fsdp/clipping.py",
+        "        if not u.keep_full:\n",
+        "        if True:\n",
+        ["tests/test_fsdp_course.py::test_clip_with_replicated_params_equals_torch"],
     ),
 ]
 

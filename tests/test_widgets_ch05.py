@@ -89,3 +89,30 @@ def test_parameters_slider_offers_exact_model_sizes():
     params.value = 175_000_000_000
     assert "1.75e+11 parameters" in status.value
 
+
+
+def test_fsdp_bytes_and_communication_per_compute_dtype():
+    from minitrain.widgets.ch05_zero import compute_fsdp
+
+    fp32 = compute_fsdp(10**6, 4, "fp32")  # ZeRO-3: 16Ψ/N, 3Ψ·4·(N-1)/N
+    assert fp32["total"] == pytest.approx(16e6 / 4) and fp32["sent"] == pytest.approx(9e6)
+    assert fp32["sent"] / fp32["dp_sent"] == pytest.approx(1.5) and fp32["dp_total"] == 16e6
+    bf16 = compute_fsdp(10**6, 4, "bf16")  # 2-byte shard, fp32 master: 18Ψ/N; (2+2+4)Ψ·¾
+    assert bf16["params"] == pytest.approx(0.5e6) and bf16["total"] == pytest.approx(18e6 / 4)
+    assert bf16["sent"] == pytest.approx(6e6) and compute_fsdp(10**6, 4, "fp16") == {
+        **bf16, "compute_dtype": "fp16"
+    }
+    with pytest.raises(ValueError, match="'int8'"):
+        compute_fsdp(10**6, 4, "int8")
+
+
+def test_fsdp_controls_update_headlessly():
+    box = build_zero_memory_widget()
+    compute, status = box.children[-1].children
+    assert "FSDP (bf16" in status.value and "4.5 bytes/parameter" not in status.value
+    ranks = box.children[0].children[1]
+    ranks.value = 4
+    assert "4.5 bytes/parameter" in status.value  # 18/4
+    compute.value = "fp32"
+    assert "FSDP (fp32" in status.value and "4 bytes/parameter" in status.value
+    assert "1.5× DP" in status.value

@@ -4,7 +4,8 @@
 
 Trains the course's GPT with AdamW under ``minitrain.ddp.DataParallel`` (the reference: plain
 DP, bucketed all-reduce overlapped with backward) and under ``minitrain.zero.ZeroDataParallel``
-stages 1, 2, 3 and stages 2 and 3 with CPU offload, gloo, world 2, all in one launch. The
+stages 1, 2, 3 and stages 2 and 3 with CPU offload, and under ``minitrain.fsdp`` in fp32 and
+bf16 (gathers and compute in bf16), gloo, world 2, all in one launch. The
 variants take turns step by step, so a slow moment of the machine hits them all alike; a
 step's time is the slowest rank's; medians and ratios to DP are printed, with the bytes each
 rank sent per step next to the ZeRO paper's volume (2Ψ or 3Ψ times (N-1)/N).
@@ -34,6 +35,8 @@ VARIANTS = {
     "ZeRO-3": dict(stage=3),
     "ZeRO-2 + offload": dict(stage=2, offload=True),
     "ZeRO-3 + offload": dict(stage=3, offload=True),
+    "FSDP": dict(fsdp=True),  # minitrain.fsdp: ZeRO-3 with an external AdamW
+    "FSDP bf16": dict(fsdp=True, compute_dtype=torch.bfloat16),
 }
 MODEL = dict(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=256)  # 3.3 M parameters
 QUICK_MODEL = dict(vocab_size=128, seq_len=32, n_layer=2, n_head=4, d_model=128)
@@ -42,14 +45,18 @@ QUICK_MODEL = dict(vocab_size=128, seq_len=32, n_layer=2, n_head=4, d_model=128)
 def _rank_measure(variants, config, steps, batch, bucket_mb):
     from minitrain import zero
     from minitrain.ddp import DataParallel
+    from minitrain.fsdp import FullyShardedDataParallel
     from minitrain.model import GPT, GPTConfig, lm_loss
 
     runners = {}
     for name, kw in variants.items():
         torch.manual_seed(0)
         model = GPT(GPTConfig(**config))
-        if kw is None:
-            dp = DataParallel(model, bucket_cap_mb=bucket_mb)
+        if kw is None or kw.get("fsdp"):
+            if kw is None:
+                dp = DataParallel(model, bucket_cap_mb=bucket_mb)
+            else:
+                dp = FullyShardedDataParallel(model, compute_dtype=kw.get("compute_dtype"))
             opt = torch.optim.AdamW(dp.parameters(), lr=1e-4)
             runners[name] = (dp, opt.step, opt.zero_grad)
         else:
@@ -110,6 +117,7 @@ def measure(
 
 
 def report(result: dict, num_params: int) -> str:
+    from minitrain.fsdp.measure import fsdp_formula
     from minitrain.zero import communication_formula
 
     base, world = result["step_time"][DP], result["world"]
@@ -119,11 +127,13 @@ def report(result: dict, num_params: int) -> str:
     ]
     for name, t in result["step_time"].items():
         kw = VARIANTS.get(name) or {}
-        stage = kw.get("stage", 0)
+        stage = kw.get("stage", 3 if kw.get("fsdp") else 0)
         psi = result["padded"].get(name, num_params)
         # DP uses torch's all_reduce, which minitrain.zero does not count: formula only
         sent = f"{result['sent'][name]:,}" if stage else "(not counted)"
         formula = communication_formula(psi, world, stage)
+        if kw.get("fsdp"):  # in bf16 the two gathers move 2-byte elements
+            formula = fsdp_formula(psi, world, kw.get("compute_dtype"))["sent"]
         lo, hi = result.get("spread", {}).get(name, (t, t))
         spread = f"{lo * 1e3:.1f}-{hi * 1e3:.1f}"
         lines.append(

@@ -52,7 +52,12 @@ CHAPTERS: dict[int, tuple[str, list[str]]] = {
     ),
     5: (
         "ex05_zero",
-        ["minitrain.zero.partition", "minitrain.zero.optimizer", "minitrain.zero.data_parallel"],
+        [
+            "minitrain.zero.partition",
+            "minitrain.zero.optimizer",
+            "minitrain.zero.data_parallel",
+            "minitrain.fsdp.wrapper",
+        ],
     ),
     # later chapters: their authors list the modules (files of their packages) here
     6: ("ex06_tensor_parallel", ["minitrain.tensor_parallel"]),

@@ -7,13 +7,21 @@ parallelism and ZeRO stages 1-3 (Rajbhandari et al. 2020, §5 and Figure 1), in 
 mixed precision (K = 12), with or without optimizer offload. The bars are drawn per
 parameter (bytes/parameter per rank), so the points measured in the notebook on a small model
 (``measured``) sit on the same axis as a trillion-parameter model's formula.
+
+``compute_fsdp`` is the pure function behind the FSDP line (``minitrain.fsdp``, Zhao et al.
+2023): ZeRO-3's sharding with an external optimizer, its bytes per rank and bytes sent per
+step for a ``compute_dtype`` of fp32, bf16 or fp16 (gathers and compute in that dtype; shards'
+gradients and optimizer in fp32), next to plain data parallelism's.
 """
 
 from __future__ import annotations
 
 import io
 
-from minitrain.zero import memory_formula
+import torch
+
+from minitrain.fsdp.measure import fsdp_formula
+from minitrain.zero import communication_formula, memory_formula
 
 STAGES = ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
 PARTS = ("params", "grads", "optimizer")
@@ -64,6 +72,38 @@ def compute_zero_memory(
         "world_size": world_size,
         "offload": offload,
     }
+
+
+COMPUTE_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def compute_fsdp(num_params: int, world_size: int, compute_dtype: str = "fp32") -> dict:
+    """FSDP's bytes per rank (params, grads, optimizer, total) and bytes sent per step
+    ("sent"), with DP's fp32 totals for comparison ("dp_total", "dp_sent"), for Ψ =
+    ``num_params`` on ``world_size`` ranks with AdamW (``minitrain.fsdp.measure.fsdp_formula``)."""
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype must be one of {list(COMPUTE_DTYPES)}, got {compute_dtype!r}")
+    if num_params <= 0:
+        raise ValueError(f"num_params must be positive, got {num_params!r}")
+    out = fsdp_formula(num_params, world_size, COMPUTE_DTYPES[compute_dtype])
+    return {
+        **out,
+        "compute_dtype": compute_dtype,
+        "num_params": num_params,
+        "world_size": world_size,
+        "dp_total": memory_formula(num_params, world_size, 0)["total"],
+        "dp_sent": communication_formula(num_params, world_size, 0),
+    }
+
+
+def describe_fsdp(view: dict) -> str:
+    n = view["num_params"]
+    return (
+        f"FSDP ({view['compute_dtype']} gathers and compute) on {view['world_size']} ranks: "
+        f"<b>{view['total'] / n:.3g} bytes/parameter</b> per rank ({_bytes(view['total'])}; "
+        f"DP fp32 {_bytes(view['dp_total'])}), <b>{_bytes(view['sent'])} sent per step</b> "
+        f"per rank ({view['sent'] / view['dp_sent']:.3g}× DP's all-reduce)"
+    )
 
 
 def _bytes(x: float) -> str:
@@ -146,7 +186,8 @@ def _png(draw) -> bytes:
 
 def build_zero_memory_widget(measured: list | None = None, traces=None):
     """Controls (parameters, ranks, stage, precision, offload) → summary line and bars;
-    below, the stage 3 timeline if ``traces`` (per-rank events of one step) are given."""
+    below, the stage 3 timeline if ``traces`` (per-rank events of one step) are given; last,
+    FSDP's compute dtype → its bytes per rank and bytes sent per step, for the same Ψ and N."""
     import ipywidgets as w
 
     params = w.SelectionSlider(  # explicit sizes: a log slider's grid snaps 7.5e9 to 1e10
@@ -162,7 +203,8 @@ def build_zero_memory_widget(measured: list | None = None, traces=None):
     )
     precision = w.ToggleButtons(options=["mixed", "fp32"], value="mixed", description="precision")
     offload = w.Checkbox(value=False, description="offload optimizer to CPU")
-    status = w.HTML()
+    compute = w.ToggleButtons(options=list(COMPUTE_DTYPES), value="bf16", description="FSDP dtype")
+    status, fsdp_status = w.HTML(), w.HTML()
     image = w.Image(format="png")
 
     def update(_=None):
@@ -170,9 +212,12 @@ def build_zero_memory_widget(measured: list | None = None, traces=None):
             int(params.value), ranks.value, stage.value, precision.value, offload.value, measured
         )
         status.value = describe(view)
+        fsdp_status.value = describe_fsdp(
+            compute_fsdp(int(params.value), ranks.value, compute.value)
+        )
         image.value = _png(lambda ax: plot_memory(view, ax))
 
-    for control in (params, ranks, stage, precision, offload):
+    for control in (params, ranks, stage, precision, offload, compute):
         control.observe(update, names="value")
     update()
     children = [w.HBox([params, ranks]), stage, w.HBox([precision, offload]), status, image]
@@ -180,4 +225,5 @@ def build_zero_memory_widget(measured: list | None = None, traces=None):
         children.append(
             w.Image(format="png", value=_png(lambda ax: plot_stage3_timeline(traces, ax)))
         )
+    children.append(w.VBox([compute, fsdp_status]))  # FSDP: the same Ψ and N
     return w.VBox(children)

@@ -5,6 +5,8 @@ Used by notebooks/05_zero.ipynb (Rajbhandari et al. 2020, "ZeRO"). Files by role
 - ``partition.py``: ``partition_parameters``, which rank owns which parameters (ZeRO-1);
 - ``optimizer.py``: ``ShardedOptimizer``, ZeRO-1 as a drop-in optimizer under DDP;
 - ``buffers.py``: ``FlatUnit``, parameters packed into one flat buffer padded to N slices;
+- ``sharded_units.py``: ``ShardedUnits``, stage 3's per-unit gather/free/prefetch and ordered
+  reductions, shared by ``ZeroDataParallel`` and ``minitrain.fsdp``;
 - ``data_parallel.py``: ``ZeroDataParallel``, stages 1-3 with optional offload;
 - ``mixed_precision.py``: low-precision units with fp32 master shards (``compute_dtype``);
 - ``accounting.py``: the paper's memory and communication formulas, and the measured bytes;

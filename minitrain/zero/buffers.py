@@ -49,6 +49,7 @@ class FlatUnit:
         self.grad_shard = None  # this rank's averaged gradient slice
         self.ready, self.state, self.work, self.launched = 0, "full", None, 0.0
         self.backward_start = None  # stage 3: when this unit's backward began (for the trace)
+        self.keep_full = False  # FSDP's replicated parameters: whole on every rank, never freed
 
     def slot(self, flat, k):
         return flat[self.offsets[k] : self.offsets[k + 1]]

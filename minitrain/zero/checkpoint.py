@@ -1,4 +1,4 @@
-"""Sharded checkpoints for ZeroDataParallel: every rank saves only the slice it owns.
+"""Sharded checkpoints for ZeroDataParallel and FSDP: every rank saves only the slice it owns.
 
 Chapter 5, notebooks/05_zero.ipynb. With ZeRO no rank holds the whole model state, so no rank
 can write a whole checkpoint: rank r writes ``shard_r.pt`` (its parameter and optimizer
@@ -68,6 +68,49 @@ def _layout(zdp) -> list[dict]:
     ]
 
 
+def _optimizer_of(zdp, optimizer):
+    opt = optimizer if optimizer is not None else getattr(zdp, "optimizer", None)
+    if opt is None:
+        raise ValueError(
+            f"{type(zdp).__name__} has no optimizer of its own: pass the one that steps its "
+            "parameters as optimizer="
+        )
+    return opt
+
+
+def _positions(zdp, opt) -> list[int]:
+    """Where each unit's master sits in ``opt``'s parameter list: checkpoints index optimizer
+    state by *unit*, so an external optimizer (FSDP's) may list the shards in any order."""
+    where = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    missing = [u.name for u in zdp.live_units() if id(u.master) not in where]
+    if missing:
+        raise ValueError(f"the optimizer does not step the shards of units {missing}")
+    return [where[id(u.master)] for u in zdp.live_units()]
+
+
+def _unit_state(zdp, opt) -> dict:
+    """``opt.state_dict()`` with its state keyed by unit index (the saved form)."""
+    sd, pos = opt.state_dict(), _positions(zdp, opt)
+    unit_of = {i: k for k, i in enumerate(pos)}
+    state = {k: sd["state"][i] for k, i in enumerate(pos) if i in sd["state"]}
+    groups = [{**g, "params": [unit_of[i] for i in g["params"] if i in unit_of]}
+              for g in sd["param_groups"]]  # fmt: skip
+    return {"state": state, "param_groups": groups}
+
+
+def _load_unit_state(zdp, opt, saved: dict) -> None:
+    """Load a state keyed by unit index into ``opt`` (its own parameter order)."""
+    pos, current = _positions(zdp, opt), opt.state_dict()["param_groups"]
+    if len(current) != len(saved["param_groups"]):
+        raise CheckpointError(
+            f"the optimizer has {len(current)} parameter groups, the checkpoint "
+            f"{len(saved['param_groups'])}"
+        )
+    groups = [{**g, "params": c["params"]} for g, c in zip(saved["param_groups"], current)]
+    state = {pos[int(k)]: v for k, v in saved["state"].items()}
+    opt.load_state_dict({"state": state, "param_groups": groups})
+
+
 def latest_checkpoint(directory: str) -> str | None:
     """The newest complete checkpoint (``step_N`` with its meta.json) in ``directory``."""
     if not os.path.isdir(directory):
@@ -82,8 +125,15 @@ def latest_checkpoint(directory: str) -> str | None:
     return os.path.join(directory, done[-1]) if done else None
 
 
-def save_checkpoint(zdp, directory: str, step: int, extra: dict | None = None) -> str:
-    """Write ``directory/step_<step>/`` collectively (every rank calls it); return its path."""
+def save_checkpoint(
+    zdp, directory: str, step: int, extra: dict | None = None, optimizer=None
+) -> str:
+    """Write ``directory/step_<step>/`` collectively (every rank calls it); return its path.
+
+    ``zdp``: a ``ZeroDataParallel`` or a ``minitrain.fsdp.FullyShardedDataParallel``; the
+    latter has no optimizer of its own: pass the one stepping its parameters (``optimizer=``).
+    """
+    opt = _optimizer_of(zdp, optimizer)
     group = zdp.group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     final = os.path.join(directory, f"step_{step:08d}")
@@ -112,7 +162,7 @@ def save_checkpoint(zdp, directory: str, step: int, extra: dict | None = None) -
         "meta": {**meta, "rank": rank},
         # the master is the authoritative copy (equal to the shard; on the host if offloaded)
         "shards": [u.master.detach().to("cpu", copy=True) for u in zdp.live_units()],
-        "optimizer": zdp.optimizer.state_dict(),
+        "optimizer": _unit_state(zdp, opt),
         "extra": extra or {},
     }
     try:
@@ -162,12 +212,14 @@ def _read_shard(path: str, meta: dict, rank: int) -> dict:
     return payload
 
 
-def load_checkpoint(zdp, path: str) -> dict:
-    """Load ``path`` into ``zdp`` collectively; reshards if the world size or layout differs.
+def load_checkpoint(zdp, path: str, optimizer=None) -> dict:
+    """Load ``path`` into ``zdp`` (and ``optimizer``, FSDP's external one) collectively;
+    reshards if the world size or layout differs.
 
     Returns the ``extra`` dict this rank saved (rank 0's when resharding). On any problem
     raises ``CheckpointError`` on every rank before changing anything.
     """
+    opt = _optimizer_of(zdp, optimizer)
     group = zdp.group
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     meta, payloads, error = None, {}, None
@@ -195,9 +247,9 @@ def load_checkpoint(zdp, path: str) -> dict:
             for u, saved in zip(zdp.live_units(), payloads[rank]["shards"]):
                 u.master.copy_(saved)
                 u.shard.copy_(saved)
-            zdp.optimizer.load_state_dict(payloads[rank]["optimizer"])
+            _load_unit_state(zdp, opt, payloads[rank]["optimizer"])
         else:
-            _reshard_into(zdp, full, payloads[0]["optimizer"]["param_groups"])
+            _reshard_into(zdp, opt, full, payloads[0]["optimizer"]["param_groups"])
         zdp.refresh_from_shards()
     return payloads[rank if same else 0]["extra"]
 
@@ -224,22 +276,24 @@ def _unshard(meta: dict, payloads: dict) -> dict:
     return {"params": params, "state": state, "scalars": scalars}
 
 
-def _reshard_into(zdp, full: dict, param_groups: list) -> None:
+def _reshard_into(zdp, opt, full: dict, param_groups: list) -> None:
     state = {}
     for i, u in enumerate(zdp.live_units()):
         u.master.copy_(_my_slice(zdp, u, [full["params"][n] for n in u.names]))
         u.shard.copy_(u.master)
         keys = full["state"][u.names[0]].keys()
+        if not keys:  # a unit no rank ever used: the optimizer has no state for it
+            continue
         state[i] = {k: _my_slice(zdp, u, [full["state"][n][k] for n in u.names]) for k in keys}
         state[i].update(
             {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in full["scalars"].items()}
         )
-    groups = [{**param_groups[0], "params": list(range(len(zdp.live_units())))}]
-    zdp.optimizer.load_state_dict({"state": state, "param_groups": groups})
+    _load_unit_state(zdp, opt, {"state": state, "param_groups": param_groups})
 
 
 def _my_slice(zdp, u, parts) -> torch.Tensor:
     """This rank's slice of unit ``u``'s padded flat buffer made of ``parts``."""
     flat = torch.cat([p.reshape(-1) for p in parts])
     flat = torch.nn.functional.pad(flat, (0, u.padded - u.numel))
-    return flat[zdp.rank * u.shard_numel : (zdp.rank + 1) * u.shard_numel]
+    rank = 0 if u.keep_full else zdp.rank  # FSDP's replicated unit: every rank has it all
+    return flat[rank * u.shard_numel : (rank + 1) * u.shard_numel]

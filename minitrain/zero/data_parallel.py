@@ -27,8 +27,6 @@ and byte counts), checkpoint.py (sharded checkpoints).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -36,28 +34,13 @@ from torch import nn
 from minitrain import trace
 from minitrain.ddp import assign_buckets, broadcast_from_first_rank
 from minitrain.zero.accounting import count_sent, optimizer_state_tensors, storage_bytes
-from minitrain.zero.buffers import (
-    FlatUnit,
-    all_gather_tensor,
-    reduce_scatter_tensor,
-    timed,
-    wait_timed,
-)
-from minitrain.zero.mixed_precision import cast_inputs, cast_rest, cast_unit
-
-
-def _tensors_requiring_grad(out):
-    if isinstance(out, torch.Tensor):
-        return [out] if out.requires_grad else []
-    if isinstance(out, (list, tuple)):
-        return [t for o in out for t in _tensors_requiring_grad(o)]
-    if isinstance(out, dict):
-        return [t for o in out.values() for t in _tensors_requiring_grad(o)]
-    return []
+from minitrain.zero.buffers import FlatUnit, all_gather_tensor, reduce_scatter_tensor
+from minitrain.zero.mixed_precision import attach_master, cast_inputs, cast_rest
+from minitrain.zero.sharded_units import ShardedUnits, split_into_units
 
 
 # --------------------------------------------------------------------------- ZeroDataParallel
-class ZeroDataParallel(nn.Module):
+class ZeroDataParallel(ShardedUnits):
     """Data parallelism with ZeRO ``stage`` 1, 2 or 3 over the ranks of ``group``.
 
     ``ZeroDataParallel(model, torch.optim.AdamW, stage=2, lr=1e-3)``: call it like the
@@ -126,20 +109,8 @@ class ZeroDataParallel(nn.Module):
             buckets = assign_buckets([p for _, p in named], bucket_cap_mb * 2**20)
             parts = [(f"bucket {i}", [named[k] for k in b]) for i, b in enumerate(buckets)]
             self.blocks = []
-        else:
-            self.blocks = list(
-                units if units is not None else getattr(module, "blocks", None) or module.children()
-            )
-            parts, taken = [], set()
-            for i, block in enumerate(self.blocks):
-                mine = [
-                    (n, p)
-                    for n, p in named
-                    if id(p) not in taken and any(p is q for q in block.parameters())
-                ]
-                taken.update(id(p) for _, p in mine)
-                parts.append((f"block {i}", mine))
-            parts.append(("root", [(n, p) for n, p in named if id(p) not in taken]))
+        else:  # ShardedUnits: a unit per block, plus the root
+            self.blocks, parts = split_into_units(module, named, units)
         self.units = [
             FlatUnit(name, ps, self.world_size, self.rank, own_shard=stage == 3) if ps else None
             for name, ps in parts
@@ -151,49 +122,26 @@ class ZeroDataParallel(nn.Module):
         # hold a low precision; otherwise the master *is* the shard (no copy)
         self._separate_master = offload or compute_dtype is not None
         for u in self.live_units():
-            host = torch.device("cpu") if offload else u.shard.device
-            # from the fp32 weights, before any rounding: the master keeps every digit
-            master_dtype = u.shard.dtype if compute_dtype is None else torch.float32
-            master = u.shard.detach().to(host, master_dtype, copy=self._separate_master)
-            u.master = nn.Parameter(master)
-            if compute_dtype is not None:
-                cast_unit(u, compute_dtype, self.rank, own_shard=stage == 3)
+            host = torch.device("cpu") if offload else None
+            attach_master(u, compute_dtype, self.rank, own_shard=stage == 3, host=host)
             if stage == 1:  # p.grad are views of one flat buffer, which autograd accumulates into
                 u.grad_full = torch.zeros_like(u.full)
                 for k, p in enumerate(u.params):
                     p.grad = u.slot(u.grad_full, k).view_as(p)
-            else:
-                for p in u.params:
-                    p.register_post_accumulate_grad_hook(self._grad_hook)
         if compute_dtype is not None:
             cast_rest(module, compute_dtype, {id(p) for p in self._where})
         self.optimizer = optimizer_cls([u.master for u in self.live_units()], **kw)
         # the order every rank reduce-scatters its units in: the order backward normally
         # completes them (stages 1-2: the buckets; stage 3: last block first, the root last)
         if stage < 3:
-            self._reduce_order = list(self.units)
+            order = list(self.units)
         else:
-            self._reduce_order = [u for u in reversed(self.units[:-1]) if u is not None]
-            self._reduce_order += [self.root] if self.root is not None else []
-        self._to_reduce = list(self._reduce_order)
+            order = [u for u in reversed(self.units[:-1]) if u is not None]
+            order += [self.root] if self.root is not None else []
+        self._gathers = stage == 3
+        self._init_reduction(order, hooks=stage > 1)
         if stage == 3:
-            # Backward issues all-gathers (re-gather, prefetch) between the reduce-scatters,
-            # and which reduce-scatters come before a given gather depends on the parameters
-            # this rank used. Collectives of one group pair up by position, so the two kinds
-            # travel on two groups of the same ranks, each in one order on every rank (as
-            # FSDP keeps them on two streams).
-            ranks = None if group is None else dist.get_process_group_ranks(group)
-            self._gather_group = dist.new_group(ranks)
-            for i, block in enumerate(self.blocks):
-                block.register_forward_pre_hook(functools.partial(self._pre_hook, i))
-                block.register_forward_hook(functools.partial(self._post_hook, i))
-            for u in self.live_units():
-                self._free(u)
-        self._pending, self._callback_queued = [], False
-
-    def live_units(self) -> list:
-        """The units that hold parameters (stage 3 may have an empty unit per block)."""
-        return [u for u in self.units if u is not None]
+            self._init_gathering()
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
@@ -202,57 +150,9 @@ class ZeroDataParallel(nn.Module):
             kwargs = cast_inputs(kwargs, self.compute_dtype)
         if self.stage < 3:
             return self.module(*args, **kwargs)
-        if self.root is not None:  # embeddings/head: gathered for the whole forward
-            self._wait_gather(self.root)
-        if self.units[0] is not None and self.blocks:
-            self._start_gather(self.units[0])  # prefetch the first block
-        out = self.module(*args, **kwargs)  # (each block's forward is traced by its hooks)
-        if self.root is not None:
-            self._free(self.root)
-        if torch.is_grad_enabled():
-            for t in _tensors_requiring_grad(out):
-                t.register_hook(self._backward_begins)
-        return out
+        return self._sharded_forward(*args, **kwargs)
 
-    # ------------------------------------------------------------------ stage 3 gather and free
-    def _start_gather(self, u):
-        """Re-allocate ``u.full`` and launch the all-gather of every rank's shard into it."""
-        if u is None or u.state != "free":
-            return
-        u.full.untyped_storage().resize_(u.padded * u.full.element_size())
-        u.launched = trace.now()
-        # .data: the collective writes through an alias with its own version counter, so the
-        # tensors autograd saved (views of u.full) are not flagged as modified in place
-        u.work = timed(
-            all_gather_tensor(u.full.data, u.shard, group=self._gather_group, async_op=True)
-        )
-        count_sent("all_gather", u.padded * u.full.element_size(), self.world_size)
-        u.state = "gathering"
-
-    def _wait_gather(self, u):
-        if u is None:
-            return
-        self._start_gather(u)
-        if u.state == "gathering":
-            trace.record(f"gather {u.name}", "communication", u.launched, wait_timed(u.work))
-            u.state, u.work = "full", None
-
-    def _free(self, u):
-        """Give ``u.full``'s memory back; the parameters (views of it) keep shape but no data."""
-        if u is None or u.state == "free":
-            return
-        if u.state == "gathering":
-            wait_timed(u.work)
-        with trace.span(f"free {u.name}", "memory"):
-            u.full.untyped_storage().resize_(0)
-        u.state = "free"
-
-    def _pre_hook(self, index, module, args):
-        self._pre_forward(index)  # looked up at call time, so a grader's version runs
-
-    def _post_hook(self, index, module, args, output):
-        self._post_forward(index, output)
-
+    # ------------------------------------------------------------------ stage 3 hooks (exercises)
     def _pre_forward(self, index):
         """Stage 3, before block ``index``'s forward: make its parameters whole, prefetch the next.
 
@@ -286,87 +186,9 @@ class ZeroDataParallel(nn.Module):
             output.register_hook(lambda grad: self._pre_backward(index))
         ### END SOLUTION
 
-    def _pre_backward(self, index):
-        """Block ``index`` is about to run backward: gather it, prefetch the one before it."""
-        self._arm_callback()
-        self._wait_gather(self.units[index])
-        if index > 0:
-            self._start_gather(self.units[index - 1])
-        if self.units[index] is not None:
-            self.units[index].backward_start = trace.now()
-
-    def _backward_begins(self, grad):
-        self._arm_callback()
-        self._wait_gather(self.root)  # the head's backward comes first
-        if self.blocks:
-            self._start_gather(self.units[len(self.blocks) - 1])
-
-    # ------------------------------------------------------------------ gradients (stages 2-3)
-    def _arm_callback(self):
-        if not self._callback_queued:  # runs once, when the whole backward is done
-            self._callback_queued, self._backward_start = True, trace.now()
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-
-    def _new_grad_full(self, u):
-        # fp32 under compute_dtype: low-precision gradients are summed, and reduced, in fp32
-        return torch.zeros(u.padded, dtype=u.master.dtype, device=u.shard.device)
-
-    def _grad_hook(self, param):
-        """Autograd calls this once ``param.grad`` holds the gradient (it passes the parameter):
-        copy it into its unit's flat buffer and drop it; complete units start their
-        reduce-scatters, in order."""
-        self._arm_callback()
-        u, k = self._where[param]
-        if u.grad_full is None:  # allocated by the unit's first gradient, freed once reduced
-            u.grad_full = self._new_grad_full(u)
-        u.slot(u.grad_full, k).add_(param.grad.reshape(-1))
-        param.grad = None
-        u.ready += 1
-        if u.ready == len(u.params):
-            if self.stage == 3:  # every use of its parameters in backward is done: free them
-                if u.backward_start is not None:  # (its gradients are safe in u.grad_full)
-                    trace.record(f"backward {u.name}", "compute", u.backward_start, trace.now())
-                    u.backward_start = None
-                self._free(u)
-            self._launch_ready_units()
-
-    def _launch_ready_units(self):
-        """Start the reduce-scatter of each complete unit, strictly in ``self._reduce_order``:
-        a collective pairs the i-th call of every rank, so all ranks must launch the units in
-        one order even when they used different parameters and completed them differently
-        (chapter 4's ``_launch_ready_buckets``)."""
-        while self._to_reduce:
-            u = self._to_reduce[0]
-            if u.ready < len(u.params):
-                return  # a later unit may be complete, but it must wait for this one
-            self._launch_reduce_scatter(self._to_reduce.pop(0))
-
-    def _launch_reduce_scatter(self, u):
-        out = torch.empty(u.shard_numel, dtype=u.grad_full.dtype, device=u.grad_full.device)
-        u.launched = trace.now()
-        work = timed(reduce_scatter_tensor(out, u.grad_full, group=self.group, async_op=True))
-        count_sent("reduce_scatter", u.padded * u.grad_full.element_size(), self.world_size)
-        self._pending.append((u, out, work, u.launched))
-
-    def _finish_backward(self):
-        """End of backward: reduce-scatter what is left, wait for all, keep only the shards."""
-        if self.stage == 2:  # (stage 3 records each block's backward instead)
-            trace.record("backward", "compute", self._backward_start, trace.now())
-        for u in self._to_reduce:  # parameters this rank did not use contribute zeros
-            if u.grad_full is None:
-                u.grad_full = self._new_grad_full(u)
-            u.ready = len(u.params)
-        self._launch_ready_units()
-        for u, out, work, launched in self._pending:
-            trace.record(f"reduce-scatter {u.name}", "communication", launched, wait_timed(work))
-            out.div_(self.world_size)
-            u.grad_shard = out if u.grad_shard is None else u.grad_shard.add_(out)
-            u.grad_full, u.ready = None, 0
-        if self.stage == 3:
-            for u in self.live_units():
-                self._free(u)
-        self._pending, self._callback_queued = [], False
-        self._to_reduce = list(self._reduce_order)
+    def _store_reduced(self, u, out):
+        """An averaged gradient slice (ShardedUnits): added to this rank's shard gradient."""
+        u.grad_shard = out if u.grad_shard is None else u.grad_shard.add_(out)
 
     # ------------------------------------------------------------------ the step
     def step(self):

@@ -36,6 +36,21 @@ def cast_unit(unit: FlatUnit, dtype: torch.dtype, rank: int, own_shard: bool) ->
     unit.shard = mine.clone() if own_shard else mine
 
 
+def attach_master(
+    unit: FlatUnit, compute_dtype, rank: int, own_shard: bool, host=None
+) -> None:
+    """Give ``unit`` its ``master``: the ``nn.Parameter`` an optimizer steps. Without a
+    compute dtype and on the unit's device it *is* the shard (no copy); otherwise an fp32
+    copy (on ``host`` if given), made before the unit is rounded to ``compute_dtype``, so the
+    master keeps every digit of the fp32 weights."""
+    dtype = unit.shard.dtype if compute_dtype is None else torch.float32
+    separate = compute_dtype is not None or host is not None
+    master = unit.shard.detach().to(host or unit.shard.device, dtype, copy=separate)
+    unit.master = torch.nn.Parameter(master)
+    if compute_dtype is not None:
+        cast_unit(unit, compute_dtype, rank, own_shard)
+
+
 def cast_rest(module: torch.nn.Module, dtype: torch.dtype, sharded: set) -> None:
     """Cast what the units do not hold (frozen parameters, floating-point buffers such as
     running statistics) to ``dtype``, so the whole forward runs in one precision."""

@@ -182,3 +182,101 @@ def test_stage3_pre_forward_gathers():
 @pytest.mark.exercise("ZeroDataParallel._post_forward", points=3)
 def test_stage3_post_forward_frees_and_regathers_for_backward():
     _check_stage3(own_pre_forward=False)
+
+
+# --------------------------------------------------------------------------- FSDP (chapter 5, continued)
+def _given_fsdp_pre_forward(self, index):
+    """A working FSDP _pre_forward, so the other exercises are graded on their own."""
+    self._gather_in_order(index + 1)
+    for unit in self.units[:index]:
+        self._free(unit)
+    self._wait_gather(self.units[index])
+    self._unit_start = 0.0
+
+
+def _given_fsdp_post_forward(self, index, output):
+    self._free(self.units[index])
+    if torch.is_grad_enabled() and output.requires_grad:
+        output.register_hook(lambda grad: self._pre_backward(index))
+
+
+def _given_fsdp_reduce(self, u):
+    out = u.grad_full if u.keep_full else u.grad_full.new_empty(u.shard_numel)
+    if u.keep_full:
+        work = dist.all_reduce(out, group=self.group, async_op=True)
+    else:
+        work = dist.reduce_scatter_tensor(out, u.grad_full, group=self.group, async_op=True)
+    self._pending.append((u, out, (work, None), 0.0))
+
+
+def _fsdp(own, replicated):
+    from minitrain import zero
+    from minitrain.fsdp import FullyShardedDataParallel as F
+
+    given = {
+        "_pre_forward": _given_fsdp_pre_forward,
+        "_post_forward": _given_fsdp_post_forward,
+        "_launch_reduce_scatter": _given_fsdp_reduce,
+    }
+    for name, fn in given.items():
+        if name != own:
+            setattr(F, name, fn)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _Toy()
+    fsdp = F(model, replicated_params=[model.out.bias] if replicated else None)
+    opt = torch.optim.AdamW(fsdp.parameters(), lr=LR)
+    freed = []
+    model.out.register_forward_hook(
+        lambda m, a, o: freed.append(
+            [b.fc.weight.untyped_storage().nbytes() == 0 for b in model.blocks]
+        )
+    )
+    for s in range(STEPS):
+        x, y = _batch(s, rank, world)
+        zero.reset_bytes_sent()
+        opt.zero_grad()
+        ((fsdp(x) - y) ** 2).mean().backward()
+        fsdp.finish_gradient_synchronization()
+        opt.step()
+    return fsdp.full_state_dict(), freed[0], zero.bytes_sent(), fsdp.padded_numel()
+
+
+def _check_fsdp(own, replicated=False, hint=""):
+    ref = _reference()
+    for rank, (got, freed, _, _) in enumerate(launch(_fsdp, 2, own, replicated, timeout=60)):
+        assert freed == [True, True, True], (
+            f"FSDP rank {rank}: when the last layer runs, every block's parameters should be "
+            f"freed (storage of 0 bytes); freed per block: {freed}"
+        )
+        for name, want in ref.items():
+            err = (got[name] - want).abs().max().item()
+            assert err <= ATOL, (
+                f"FSDP on 2 ranks: rank {rank}'s {name} differs from one process with AdamW by "
+                f"{err:.2g} after {STEPS} steps ({hint})"
+            )
+
+
+@pytest.mark.exercise("FullyShardedDataParallel._pre_forward", points=2)
+def test_fsdp_pre_forward_gathers_in_order():
+    _check_fsdp("_pre_forward", hint="is each unit gathered before its forward?")
+
+
+@pytest.mark.exercise("FullyShardedDataParallel._post_forward", points=2)
+def test_fsdp_post_forward_frees_and_regathers_for_backward():
+    _check_fsdp("_post_forward", hint="are the parameters gathered again before backward?")
+
+
+@pytest.mark.exercise("FullyShardedDataParallel._launch_reduce_scatter", points=3)
+def test_fsdp_reduce_scatter_and_all_reduce_of_replicated_params():
+    _check_fsdp("_launch_reduce_scatter", True, hint="are the gradients reduced over the ranks?")
+    _, _, sent, psi = launch(_fsdp, 2, "_launch_reduce_scatter", True, timeout=60)[0]
+    # one step: a reduce-scatter of Ψ fp32 elements, sent (N-1)/N of; all-reduce of the bias
+    assert sent["reduce_scatter"] == psi * 4 // 2, (
+        f"one step should count {psi * 4 // 2} bytes of reduce-scatter (count_sent), "
+        f"counted {sent['reduce_scatter']}"
+    )
+    assert sent["all_reduce"] == 2 * 3 * 4 // 2, (
+        f"the replicated 3-element bias should be all-reduced (count_sent 'all_reduce': 12 "
+        f"bytes on 2 ranks), counted {sent['all_reduce']}"
+    )

@@ -1,0 +1,15 @@
+"""Chapter 5, continued — FSDP: ZeRO-3 as frameworks ship it.
+
+Used by notebooks/05_zero.ipynb (Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling Fully
+Sharded Data Parallel"; Rajbhandari et al. 2020, "ZeRO", stage 3). Files by role:
+
+- ``wrapper.py``: ``FullyShardedDataParallel``, an ``nn.Module`` whose parameters are this
+  rank's shards, built on chapter 5's ``minitrain.zero.ShardedUnits``;
+- ``clipping.py``: the global gradient norm over shards;
+- ``measure.py``: bytes per rank, peak gathered bytes, bytes sent, a timeline — what the
+  notebook, the widget and the benchmark show.
+"""
+
+from minitrain.fsdp.wrapper import FullyShardedDataParallel
+
+__all__ = ["FullyShardedDataParallel"]

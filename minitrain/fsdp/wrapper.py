@@ -1,0 +1,298 @@
+"""FSDP: ZeRO-3 as frameworks ship it — a module whose parameters *are* this rank's shards.
+
+Chapter 5, notebooks/05_zero.ipynb. Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling
+Fully Sharded Data Parallel" (VLDB): the model is cut into *units*; each unit's parameters
+live in one flat buffer, padded and split into N equal shards (§3.2, rank r keeps shard r);
+a unit is all-gathered just before its forward and freed after it, gathered again for its
+backward, and its gradients are reduce-scattered as soon as its backward is done (§3.1,
+Figure 3); the next unit's gather is prefetched (§3.3). That is ZeRO stage 3 (Rajbhandari et
+al. 2020, §5.3), and the schedule is chapter 5's: ``minitrain.zero.ShardedUnits``. What FSDP
+adds is the *interface*: the wrapper is an ``nn.Module`` whose ``parameters()`` are the fp32
+shards, so an ordinary optimizer (``torch.optim.AdamW(fsdp.parameters())``) steps them and
+the training loop is the usual one, plus ``finish_gradient_synchronization()`` — and
+``compute_dtype`` (§4.3 mixed precision: gather and compute in bf16/fp16, shards, gradients
+and optimizer in fp32) and ``replicated_params`` (kept whole, gradients all-reduced as DDP).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from minitrain import trace
+from minitrain.ddp import broadcast_from_first_rank
+from minitrain.fsdp.clipping import clip_grad_norm_
+from minitrain.zero.accounting import count_sent
+from minitrain.zero.buffers import FlatUnit, all_gather_tensor, reduce_scatter_tensor, timed
+from minitrain.zero.mixed_precision import attach_master, cast_inputs, cast_rest
+from minitrain.zero.sharded_units import ShardedUnits, split_into_units, tensors_requiring_grad
+
+
+class FullyShardedDataParallel(ShardedUnits):
+    """``FullyShardedDataParallel(module, group=None, compute_dtype=None,
+    replicated_params=None, units=None)``.
+
+    Units: ``units`` (default ``module.blocks`` if present, else the children), plus a root
+    unit for every other parameter, gathered for the whole forward (embeddings and head
+    bracket the blocks). Each unit's shard is an ``nn.Parameter`` registered on the unit's
+    module as ``flat_shard`` (the root's on ``module``; the replicated parameters' as
+    ``module.flat_replicated``); the original parameters become plain attributes, views of
+    the gathered buffer. Ranks may use different parameters, and skip units: reductions run
+    in one fixed unit order (unused parameters contribute zeros; a unit no rank used keeps
+    ``.grad`` None), gathers are launched in unit order with skipped units caught up. Units
+    are assumed to run in the order they are listed (as stage 3 assumes).
+    """
+
+    stage = 3  # for the sharded checkpoints of minitrain.zero
+
+    def __init__(self, module, group=None, compute_dtype=None, replicated_params=None, units=None):
+        super().__init__()
+        if compute_dtype is not None and (
+            not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point
+        ):
+            raise ValueError(
+                f"FullyShardedDataParallel: compute_dtype must be a floating-point torch.dtype "
+                f"such as torch.bfloat16, got {compute_dtype!r}"
+            )
+        self.module, self.group, self.compute_dtype = module, group, compute_dtype
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self._original = list(module.named_parameters())  # names for full_state_dict
+        named = [(n, p) for n, p in self._original if p.requires_grad]
+        if not named:
+            raise ValueError("FullyShardedDataParallel: the module has no trainable parameters")
+        kinds = {(p.dtype, p.device) for _, p in named}
+        if len(kinds) > 1:
+            raise ValueError(f"FullyShardedDataParallel: parameters of several kinds: {kinds}")
+        whole = _replicated_ids(named, replicated_params)
+        broadcast_from_first_rank(module, group)  # replicas start from rank 0's weights
+        self.blocks, parts = split_into_units(module, named, units, exclude=whole)
+        self.units = [FlatUnit(n, ps, self.world_size, self.rank, True) if ps else None
+                      for n, ps in parts]  # fmt: skip
+        self.root = self.units[-1]
+        kept = [(n, p) for n, p in named if id(p) in whole]
+        # a "unit of one rank": padded to 1, so its one shard is everything
+        self.replicated = FlatUnit("replicated", kept, 1, 0, False) if kept else None
+        if self.replicated is not None:
+            self.replicated.keep_full = True
+        for u in self.live_units():
+            attach_master(u, compute_dtype, 0 if u.keep_full else self.rank, not u.keep_full)
+        if compute_dtype is not None:
+            cast_rest(module, compute_dtype, {id(p) for u in self.live_units() for p in u.params})
+        self._register_shards()
+        # reductions in the order backward completes units: last block first, root, replicated
+        order = [u for u in reversed(self.units[:-1]) if u is not None]
+        order += [u for u in (self.root, self.replicated) if u is not None]
+        self._gathers = True
+        self._init_reduction(order)
+        self._init_gathering()
+
+    def live_units(self) -> list:
+        """The sharded units that hold parameters, then the replicated one (if any)."""
+        extra = [self.replicated] if self.replicated is not None else []
+        return [u for u in self.units if u is not None] + extra
+
+    def _register_shards(self):
+        """The shards become the module's parameters; the originals plain attributes (the
+        same tensors, views of ``u.full``), so ``parameters()`` lists what the optimizer steps."""
+        owners = list(zip(self.blocks, self.units[:-1], ["flat_shard"] * len(self.blocks)))
+        owners += [(self.module, self.root, "flat_shard")]
+        owners += [(self.module, self.replicated, "flat_replicated")]
+        for owner, u, attr in owners:
+            if u is None:
+                continue
+            if hasattr(owner, attr):
+                raise ValueError(
+                    f"FullyShardedDataParallel: {type(owner).__name__} already has an "
+                    f"attribute {attr!r}, where the unit {u.name!r} keeps its shard"
+                )
+            owner.register_parameter(attr, u.master)
+        hidden = {id(p) for u in self.live_units() for p in u.params}
+        for m in self.module.modules():
+            for name, p in list(m._parameters.items()):
+                if p is not None and id(p) in hidden:
+                    del m._parameters[name]
+                    m.__dict__[name] = p  # the forward reads it exactly as before
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *args, **kwargs):
+        if self.compute_dtype is not None:
+            args = cast_inputs(args, self.compute_dtype)
+            kwargs = cast_inputs(kwargs, self.compute_dtype)
+            with torch.no_grad():  # the optimizer stepped the fp32 masters: round them in
+                for u in self.live_units():
+                    u.shard.copy_(u.master)
+        last = len(self.blocks) - 1
+        self._fwd_next, self._bwd_next, self._entered = 1, last, set()  # (unit 0: prefetched)
+        out = self._sharded_forward(*args, **kwargs)
+        # a data-dependent branch may have skipped units: gather (and free) them anyway, so
+        # every rank launches the same gathers in the same order — they pair by position
+        self._gather_in_order(last)
+        for u in self.units[:-1]:
+            self._free(u)
+        return out
+
+    def _gather_in_order(self, upto):
+        """Launch the forward gathers of units ``_fwd_next`` … ``upto``, in unit order."""
+        while self._fwd_next <= min(upto, len(self.blocks) - 1):
+            self._start_gather(self.units[self._fwd_next])
+            self._fwd_next += 1
+
+    def _gather_down_to(self, lowest):
+        """Launch the backward gathers of units ``_bwd_next`` … ``lowest``, last unit first."""
+        while self._bwd_next >= max(lowest, 0):
+            self._start_gather(self.units[self._bwd_next])
+            self._bwd_next -= 1
+
+    def _pre_forward(self, index):
+        """Before unit ``index``'s forward (Zhao et al. 2023, §3.1): its parameters whole.
+
+        Launch, in unit order, the gathers up to the *next* unit (``self._gather_in_order(
+        index + 1)``: this unit's, if no prefetch did, and the next one's, so it travels while
+        this unit computes, §3.3); free the earlier units (``self._free``: a branch may have
+        skipped one, then its prefetched gather is still held); wait for this unit's gather
+        (``self._wait_gather``); note the start: ``self._unit_start = trace.now()``.
+        """
+        ### BEGIN SOLUTION
+        # HINT: self.units[:index] are the earlier units; _free and _wait_gather accept None
+        self._gather_in_order(index + 1)
+        for earlier in self.units[:index]:
+            self._free(earlier)
+        self._wait_gather(self.units[index])
+        self._unit_start = trace.now()
+        ### END SOLUTION
+
+    def _post_forward(self, index, output):
+        """After unit ``index``'s forward: record it, free it, and arrange its re-gather.
+
+        ``trace.record(f"forward block {index}", "compute", self._unit_start, trace.now())``,
+        free ``self.units[index]`` (``self._free``), and if grad is enabled, register on every
+        tensor of ``output`` that requires grad (``tensors_requiring_grad(output)``: the
+        output may be a tuple) a hook calling ``self._pre_backward(index)``, which gathers the
+        unit again just before its backward runs.
+        """
+        ### BEGIN SOLUTION
+        # HINT: tensor.register_hook(fn) calls fn(grad) when backward reaches that tensor
+        trace.record(f"forward block {index}", "compute", self._unit_start, trace.now())
+        self._free(self.units[index])
+        for t in tensors_requiring_grad(output) if torch.is_grad_enabled() else []:
+            t.register_hook(lambda grad: self._pre_backward(index))
+        ### END SOLUTION
+
+    # ------------------------------------------------------------------ gradients
+    def _launch_reduce_scatter(self, u):
+        """Start the averaging of unit ``u``'s complete fp32 gradient ``u.grad_full``.
+
+        A sharded unit: reduce-scatter it into a new tensor of ``u.shard_numel`` elements
+        (``reduce_scatter_tensor(out, u.grad_full, group=self.group, async_op=True)``): rank
+        r receives the sum of slice r. The replicated unit (``u.keep_full``): all-reduce
+        ``u.grad_full`` in place (``out`` is then ``u.grad_full`` itself). Count the bytes
+        (``count_sent(kind, u.padded * 4, self.world_size)``: 4 bytes, fp32; "reduce_scatter" or
+        "all_reduce"), and append ``(u, out, timed(work), start time)`` to ``self._pending``;
+        the end of backward waits for them and divides by N.
+        """
+        ### BEGIN SOLUTION
+        # HINT: dist.all_reduce(tensor, group=..., async_op=True) returns a work handle too
+        start, buf = trace.now(), u.grad_full
+        if u.keep_full:
+            out, kind = buf, "all_reduce"
+            work = dist.all_reduce(out, group=self.group, async_op=True)
+        else:
+            out, kind = torch.empty(u.shard_numel, dtype=buf.dtype, device=buf.device), "reduce_scatter"
+            work = reduce_scatter_tensor(out, buf, group=self.group, async_op=True)
+        count_sent(kind, u.padded * buf.element_size(), self.world_size)
+        self._pending.append((u, out, timed(work), start))
+        ### END SOLUTION
+
+    def _backward_begins(self, grad):
+        if self._bwd_next == len(self.blocks) - 1 and not self._callback_queued:
+            self._arm_callback()  # (once, though the output may hold several tensors)
+            self._wait_gather(self.root)  # the head's backward comes first
+            self._gather_down_to(len(self.blocks) - 1)
+
+    def _pre_backward(self, index):
+        """Unit ``index``'s backward is next: gather it (and, in order, any unit this rank's
+        forward skipped), prefetch the one before it."""
+        if index in self._entered:  # a hook of a second output tensor of the same unit
+            return
+        self._entered.add(index)
+        self._arm_callback()
+        self._gather_down_to(index - 1)
+        self._wait_gather(self.units[index])
+        if self.units[index] is not None:
+            self.units[index].backward_start = trace.now()
+
+    def _finish_backward(self):
+        """End of backward. As DDP leaves ``.grad`` of a parameter no rank used alone, so
+        does FSDP for a *unit* no rank used (AdamW must not decay it): after every reduction
+        is launched — the same position on every rank — one small all-reduce of "used" flags.
+        (Gathers a skipped unit would have had are launched too, to keep their order.)"""
+        self._gather_down_to(0)
+        used = torch.tensor([float(u.ready > 0) for u in self._reduce_order])
+        self._launch_remaining()
+        dist.all_reduce(used, group=self.group)
+        self._unused = {id(u) for u, n in zip(self._reduce_order, used.tolist()) if n == 0}
+        self._wait_reductions()
+
+    def _store_reduced(self, u, out):
+        """The averaged gradient of ``u``'s shard becomes (or adds to) the shard's ``.grad``."""
+        if id(u) in self._unused:
+            return  # no rank used it: its .grad stays as it was (None after zero_grad)
+        g = u.master.grad
+        u.master.grad = out if g is None else g.add_(out)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for every unit's reduction and write the shards' ``.grad``. Runs by itself at
+        the end of backward (an autograd callback, as torch's FSDP); a second call is a no-op."""
+        if self._pending or self._callback_queued:
+            self._finish_backward()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale all gradients so their global norm is at most ``max_norm``; return the norm
+        before clipping, equal to ``torch.nn.utils.clip_grad_norm_`` on the whole model."""
+        return clip_grad_norm_(self, max_norm, norm_type)
+
+    # ------------------------------------------------------------------ state
+    def full_state_dict(self) -> dict:
+        """name → full fp32 parameter (a copy) for every parameter, as named in the original
+        module's ``named_parameters()``, on every rank: the masters, all-gathered."""
+        out = {}
+        for u in self.live_units():
+            flat = u.master.detach()
+            if not u.keep_full:
+                flat = torch.empty(u.padded, dtype=flat.dtype, device=flat.device)
+                all_gather_tensor(flat, u.master.detach(), group=self._gather_group)
+            for k, (name, p) in enumerate(zip(u.names, u.params)):
+                out[name] = u.slot(flat, k).view(p.shape).clone()
+        for name, p in self._original:
+            if name not in out:  # frozen parameters are not sharded
+                out[name] = p.detach().clone()
+        return {name: out[name] for name, _ in self._original}
+
+    def refresh_from_shards(self) -> None:
+        """After a checkpoint was loaded into the masters: drop pending gradients; the next
+        forward gathers (and, under compute_dtype, rounds) the new values."""
+        for u in self.live_units():
+            u.master.grad = None
+            self._free(u)
+
+    def padded_numel(self) -> int:
+        """Ψ as sharded: every sharded unit's size rounded up to a multiple of N."""
+        return sum(u.padded for u in self.live_units() if not u.keep_full)
+
+
+def _replicated_ids(named: list, replicated) -> set:
+    """Ids of ``replicated_params``, each checked to be a trainable parameter of the module."""
+    if replicated is None:
+        return set()
+    if isinstance(replicated, torch.Tensor):
+        raise ValueError("FullyShardedDataParallel: replicated_params must be a list of tensors")
+    names = {id(p): n for n, p in named}
+    for i, p in enumerate(replicated):
+        if not isinstance(p, torch.Tensor) or id(p) not in names:
+            what = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else repr(p)
+            raise ValueError(
+                f"FullyShardedDataParallel: replicated_params[{i}] ({what}) is not a trainable "
+                "parameter of the module"
+            )
+    return {id(p) for p in replicated}
+
