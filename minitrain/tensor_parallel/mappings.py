@@ -28,8 +28,6 @@ import torch.distributed as dist
 
 from minitrain import trace
 
-# torch 2.13 renamed the tensor form of reduce-scatter; older versions have only the old name
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 SEQUENCE_DIM = 1  # the course's activations are (batch, sequence, hidden)
 
 # (collective, bytes of the logical message, bytes one rank sends on a ring). The ring
@@ -91,7 +89,10 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     moved = tensor.movedim(dim, 0).contiguous()  # the collective splits dimension 0
     out = torch.empty_like(moved[: moved.shape[0] // t])
     with trace.span("reduce-scatter", "communication"):
-        _reduce_scatter_tensor(out, moved, group=group)
+        # torch 2.13 renamed the tensor form; older versions have only the old name
+        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
+            out, moved, group=group
+        )
     _record("reduce-scatter", tensor, 1, group)
     return out.movedim(0, dim)
 
