@@ -177,3 +177,27 @@ def test_vocab_parallel_cross_entropy_equals_torch(scale):
     for loss, want, grad_err in launch(_ce_case, 4, scale, timeout=60):
         assert abs(loss - want) <= 1e-6 * max(1.0, abs(want)), (loss, want)
         assert grad_err <= 1e-7, grad_err
+
+
+@pytest.mark.parametrize("t,dropout", [(1, 0.0), (2, 0.0), (4, 0.0), (2, 0.1)])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_block_bytes_communicated_and_saved_equal_the_formulas(t, dropout, sp):
+    from minitrain.tensor_parallel.measure import (
+        block_activation_bytes_tp,
+        block_communication_bytes,
+        measure_block,
+        summarize_log,
+    )
+
+    cfg = dict(vocab_size=64, seq_len=16, n_layer=1, n_head=4, d_model=32, dropout=dropout)
+    measured = measure_block(cfg, 2, t, sp)
+    formula = block_communication_bytes(2, 16, 32, t, sp)
+    for direction in ("forward", "backward"):
+        assert summarize_log(measured[direction]) == formula[direction], direction
+    assert measured["activation_bytes"] == [
+        block_activation_bytes_tp(2, 16, 32, 4, None, t, sp, dropout)
+    ] * t
+    # 4 all-reduces of b*s*h per block, and the same ring bytes with sequence parallelism
+    bsh = 2 * 16 * 32 * 4
+    if t > 1:
+        assert formula["forward"]["ring_bytes"] == 2 * 2 * (t - 1) / t * bsh
