@@ -201,3 +201,30 @@ def test_block_bytes_communicated_and_saved_equal_the_formulas(t, dropout, sp):
     bsh = 2 * 16 * 32 * 4
     if t > 1:
         assert formula["forward"]["ring_bytes"] == 2 * 2 * (t - 1) / t * bsh
+
+
+@pytest.mark.parametrize("t", [2, 4])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_every_layer_and_the_shard_layout_equal_the_formulas(t, sp):
+    from minitrain.tensor_parallel.measure import (
+        LAYERS,
+        layer_activation_bytes,
+        layer_collectives,
+        measure_layers,
+        summarize_log,
+        total_bytes,
+    )
+
+    measured = measure_layers(dict(CONFIG, n_layer=1), 2, t, sp)
+    for layer in LAYERS:
+        fwd, bwd = layer_collectives(layer, 2, 16, 32, t, sp, table_rows=16)
+        got = measured["layers"][layer]
+        assert summarize_log(got["forward"]) == total_bytes(fwd, t), layer
+        assert summarize_log(got["backward"]) == total_bytes(bwd, t), layer
+        want = layer_activation_bytes(layer, 2, 16, 32, 4, None, 64, t, sp)
+        assert got["activation_bytes"] == [want] * t, layer
+    for rank, layout in enumerate(measured["layout"]):  # rank r holds the r-th slice
+        assert layout["blocks.0.attn.q_proj.weight"] == ("split", 0, rank * 32 // t, (rank + 1) * 32 // t, 32)
+        assert layout["blocks.0.mlp.fc_out.weight"] == ("split", 1, rank * 128 // t, (rank + 1) * 128 // t, 128)
+        assert layout["tok_emb.weight"] == ("split", 0, rank * 64 // t, (rank + 1) * 64 // t, 64)
+        assert layout["blocks.0.attn.out_proj.bias"] == ("replicated",)

@@ -24,6 +24,7 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
+import torch.distributed
 import torch.nn.functional as F
 from torch import nn
 
@@ -39,7 +40,6 @@ from minitrain.tensor_parallel.layers import (
 from minitrain.tensor_parallel.mappings import (
     copy_to_parallel_region,
     gather_from_sequence_parallel_region,
-    split,
 )
 from minitrain.tensor_parallel.random import TensorParallelRNG
 
@@ -77,7 +77,9 @@ class TensorParallelGPT(GPT):
         s = idx.shape[1]
         divide(s, self.tp_size, "positions of the sequence (sequence parallelism)")
         x = self.tok_emb(idx)  # reduce-scattered: this rank's shard of the sequence
-        pos = split(torch.arange(s, device=idx.device), 0, self.tp_group)
+        shard = s // self.tp_size  # this rank's positions: its shard of the sequence
+        start = shard * torch.distributed.get_rank(self.tp_group) if self.tp_size > 1 else 0
+        pos = torch.arange(start, start + shard, device=idx.device)
         # the position table is replicated but each rank reads only its positions: f sums
         # the table's gradient across the group, as for the LayerNorms
         table = copy_to_parallel_region(self.pos_emb.weight, self.tp_group)

@@ -23,33 +23,59 @@ from minitrain.launch import launch
 from minitrain.memory import saved_activation_bytes
 from minitrain.tensor_parallel import mappings
 
+LAYERS = ("embedding", "attention", "mlp", "head")
+
+
+def layer_collectives(layer, batch, seq_len, d_model, tp_size, sequence_parallel=False,
+                      bias=True, table_rows=None, bytes_per_element=4):
+    """(forward, backward) collectives of one layer, each (name, ring factor, message bytes).
+
+    attention / mlp: ln + the column -> row pair; embedding: tok_emb + pos_emb; head: ln_f,
+    the LM head and the vocab-parallel loss (three all-reduces of one fp32 per token).
+    With sequence parallelism backward also sums the gradients of the replicated
+    parameters that saw a shard of the sequence (LayerNorms, row biases, the position
+    table of ``table_rows`` rows), one all-reduce each.
+    """
+    b, s, h, t, e = batch, seq_len, d_model, tp_size, bytes_per_element
+    act = b * s * h * e  # the b*s*h activation every collective of a block moves
+
+    def ar(m):
+        return ("all-reduce", 2, m)
+
+    ag, rs = ("all-gather", 1, act), ("reduce-scatter", 1, act)
+    if t == 1:
+        return [], []
+    if layer in ("attention", "mlp"):  # (ln_1, out_proj bias) or (ln_2, fc_out bias)
+        if sequence_parallel:
+            return [ag, rs], [rs, ag] + [ar(h * e)] * (3 if bias else 1)
+        return [ar(act)], [ar(act)]
+    if layer == "embedding":
+        if sequence_parallel:
+            return [rs], [ag, ar((table_rows or s) * h * e)]
+        return [ar(act)], []
+    if layer == "head":
+        loss = [ar(b * s * 4)] * 3  # max, sum of exponentials, target logit
+        if sequence_parallel:
+            return [ag] + loss, [rs] + [ar(h * e)] * (2 if bias else 1)
+        return loss, [ar(act)]
+    raise ValueError(f"layer must be one of {LAYERS}, got {layer!r}")
+
+
+def total_bytes(entries, tp_size) -> dict:
+    """{"collectives" (sorted names), "message_bytes", "ring_bytes" (sent per rank)}."""
+    t = tp_size
+    return {"collectives": sorted(n for n, _, _ in entries),
+            "message_bytes": sum(m for _, _, m in entries),
+            "ring_bytes": sum(round(k * (t - 1) / t * m) for _, k, m in entries)}
+
 
 def block_communication_bytes(batch, seq_len, d_model, tp_size, sequence_parallel=False,
                               bias=True, bytes_per_element=4) -> dict:
-    """Per direction ("forward", "backward"): the collectives of one block (sorted names),
-    the bytes of their messages and the bytes one rank sends on a ring (all 0 for t = 1).
-
-    With sequence parallelism backward also sums the gradients of the parameters that
-    saw only a shard of the sequence: ln_1's and ln_2's gain (and, with biases, their
-    biases and the two row-parallel biases), one all-reduce of h elements each.
-    """
-    t, e = tp_size, bytes_per_element
-    message = batch * seq_len * d_model * e
-    if t == 1:
-        ops, params = [], 0
-    elif sequence_parallel:  # per sub-block: all-gather in, reduce-scatter out
-        ops = [("all-gather", 1, message), ("reduce-scatter", 1, message)] * 2
-        params = 6 if bias else 2
-    else:  # per sub-block: one all-reduce (g forward, f backward)
-        ops, params = [("all-reduce", 2, message)] * 2, 0
-
-    def total(entries):
-        return {"collectives": sorted(n for n, _, _ in entries),
-                "message_bytes": sum(m for _, _, m in entries),
-                "ring_bytes": sum(round(k * (t - 1) / t * m) for _, k, m in entries)}
-
-    return {"forward": total(ops),
-            "backward": total(ops + [("all-reduce", 2, d_model * e)] * params)}
+    """Per direction ("forward", "backward"): one block's collectives — attention's and the
+    MLP's — their message bytes and the bytes one rank sends on a ring (0 for t = 1)."""
+    args = (batch, seq_len, d_model, tp_size, sequence_parallel, bias, None, bytes_per_element)
+    (af, ab), (mf, mb) = layer_collectives("attention", *args), layer_collectives("mlp", *args)
+    return {"forward": total_bytes(af + mf, tp_size), "backward": total_bytes(ab + mb, tp_size)}
 
 
 def block_activation_bytes_tp(batch, seq_len, d_model, n_head, d_ff=None, tp_size=1,
@@ -81,6 +107,102 @@ def block_activation_bytes_tp(batch, seq_len, d_model, n_head, d_ff=None, tp_siz
     if sequence_parallel:
         return (split + sharded_by_sp) // t + gathered_inputs
     return split // t + sharded_by_sp + gathered_inputs
+
+
+def layer_activation_bytes(layer, batch, seq_len, d_model, n_head, d_ff=None, vocab_size=64,
+                           tp_size=1, sequence_parallel=False, bytes_per_element=4) -> int:
+    """Bytes one rank saves for backward in one layer (no dropout), the terms of
+    ``block_activation_bytes_tp`` by layer: attention and mlp each hold their LayerNorm's
+    input and statistics (split by t with sequence parallelism), the gathered input of
+    the column layer(s), and their share of the rest; the embedding its int64 token ids
+    (masked to this rank's rows), the fp32 mask zeroing the others, and int64 positions;
+    the head ln_f's input and statistics, the head's input, the loss's softmax over this
+    rank's vocabulary slice, int64 target indices and a 1-byte "target is mine" flag."""
+    b, s, h, a, t, e = batch, seq_len, d_model, n_head, tp_size, bytes_per_element
+    f, v = (4 * h if d_ff is None else d_ff), vocab_size
+    sp = t if sequence_parallel else 1
+    norm = (s * b * h * e + 8 * s * b) // sp  # a LayerNorm's input and mean, 1/std
+    if layer == "attention":
+        return norm + s * b * h * e + (4 * s * b * h * e + a * s * s * b * e) // t
+    if layer == "mlp":
+        return norm + s * b * h * e + 2 * s * b * f * e // t
+    if layer == "embedding":
+        return 8 * b * s + 4 * b * s + 8 * s // sp
+    if layer == "head":
+        return norm + s * b * h * e + 4 * b * s * v // t + 8 * b * s + b * s
+    raise ValueError(f"layer must be one of {LAYERS}, got {layer!r}")
+
+
+def _layout(model, dense, rank, t) -> dict:
+    """Per parameter: ("split", dim, start, stop, full) — found by matching the shard against
+    the dense weight, so it is what the module really holds — or ("replicated",)."""
+    dense_params, out = dict(dense.named_parameters()), {}
+    for name, p in model.named_parameters():
+        d = dense_params[name]
+        dims = [i for i in range(d.dim()) if d.shape[i] != p.shape[i]]
+        if not dims:
+            out[name] = ("replicated",)
+            continue
+        dim, size = dims[0], p.shape[dims[0]]
+        starts = [k * size for k in range(t) if torch.equal(d.narrow(dim, k * size, size), p)]
+        out[name] = ("split", dim, starts[0], starts[0] + size, d.shape[dim])
+    return out
+
+
+def _rank_layers(config_kwargs, batch, sequence_parallel):
+    """On each rank: per layer, its collectives forward and backward and its saved bytes;
+    the parameter layout of the whole model."""
+    import copy
+
+    import torch.distributed as dist
+
+    from minitrain.model import GPT, GPTConfig
+    from minitrain.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
+
+    torch.manual_seed(0)
+    config = GPTConfig(**config_kwargs)
+    dense = GPT(config)
+    with torch.no_grad():  # no zero biases or unit gains: every shard is told apart by value
+        for p in dense.parameters():
+            p.normal_()
+    model = apply_tensor_parallel(copy.deepcopy(dense), sequence_parallel=sequence_parallel)
+    rank, t = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(1)
+    s_local = config.seq_len // t if sequence_parallel else config.seq_len
+    idx = torch.randint(0, config.vocab_size, (batch, config.seq_len), generator=g)
+    block = model.blocks[0]
+    runs = {
+        "embedding": (model.embed, idx),
+        "attention": (lambda x: block.attn(block.ln_1(x)), None),
+        "mlp": (lambda x: block.mlp(block.ln_2(x)), None),
+        "head": (lambda x: vocab_parallel_cross_entropy(model.logits(x), idx), None),
+    }
+    layers = {}
+    for name, (fn, arg) in runs.items():
+        if arg is None:
+            arg = torch.randn(batch, s_local, config.d_model, generator=g).requires_grad_()
+        saved = saved_activation_bytes(fn, arg)
+        mappings.reset_communication_log()
+        y = fn(arg)
+        forward = mappings.communication_log()
+        mappings.reset_communication_log()
+        y.backward(torch.ones_like(y))
+        layers[name] = {"forward": forward, "backward": mappings.communication_log(),
+                        "activation_bytes": saved}
+    return {"layers": layers, "layout": _layout(model, dense, rank, t)}
+
+
+def measure_layers(config_kwargs: dict, batch: int, tp_size: int, sequence_parallel=False,
+                   timeout: float = 120.0) -> dict:
+    """Every layer of the TP GPT on ``tp_size`` ranks: {"layers": {layer: {"forward",
+    "backward" (rank 0's logs), "activation_bytes" (one per rank)}}, "layout": one dict per
+    rank (see ``_layout``)}."""
+    results = launch(_rank_layers, tp_size, config_kwargs, batch, sequence_parallel,
+                     timeout=timeout)
+    layers = results[0]["layers"]
+    for name in layers:
+        layers[name]["activation_bytes"] = [r["layers"][name]["activation_bytes"] for r in results]
+    return {"layers": layers, "layout": [r["layout"] for r in results]}
 
 
 def _rank_measure(config_kwargs, batch, sequence_parallel):
@@ -130,5 +252,5 @@ def measure_block(config_kwargs: dict, batch: int, tp_size: int, sequence_parall
 def summarize_log(log) -> dict:
     """{"collectives" (sorted names), "message_bytes", "ring_bytes"} of a communication log:
     comparable with ``block_communication_bytes``."""
-    return {"collectives": sorted(n for n, _, _ in log), "message_bytes": sum(m for _, m, _ in log),
-            "ring_bytes": sum(r for _, _, r in log)}
+    return {"collectives": sorted(n for n, _, _ in log),
+            "message_bytes": sum(m for _, m, _ in log), "ring_bytes": sum(r for _, _, r in log)}
