@@ -222,6 +222,9 @@ def _rank_measure(config_kwargs, batch, sequence_parallel):
     block = model.blocks[0]
     out = {"activation_bytes": saved_activation_bytes(block, x)}
     x.requires_grad_()
+    for _ in range(2):  # warm-up: a process's first backward costs ~0.7 s of one-off set-up
+        y = block(x)
+        y.backward(torch.ones_like(y))
     mappings.reset_communication_log()
     trace.reset()
     with trace.span("block forward", "compute"):

@@ -125,7 +125,7 @@ def plot_view(view: dict, axes=None):
                                    label=f"rank {rank}"))
     ax.set_xlim(0, 1), ax.set_ylim(1, 0)
     ax.set_xlabel("input features (fraction of the dense width)")
-    ax.set_ylabel("output features / vocabulary rows (fraction)")
+    ax.set_ylabel("output rows (fraction)")
     ax.set_title(f"{name}", fontsize="small")
     ax.legend(fontsize="x-small", loc="lower right")
     for sp, style in ((False, "-"), (True, "--")):
