@@ -228,3 +228,13 @@ def test_every_layer_and_the_shard_layout_equal_the_formulas(t, sp):
         assert layout["blocks.0.mlp.fc_out.weight"] == ("split", 1, rank * 128 // t, (rank + 1) * 128 // t, 128)
         assert layout["tok_emb.weight"] == ("split", 0, rank * 64 // t, (rank + 1) * 64 // t, 64)
         assert layout["blocks.0.attn.out_proj.bias"] == ("replicated",)
+
+
+def test_benchmark_counts_the_formulas_bytes():
+    from minitrain.bench import tp as bench
+
+    config = dict(vocab_size=64, seq_len=16, n_layer=1, n_head=4, d_model=32)
+    result = bench.measure(config, steps=1, batch=2)
+    assert result["sent"] == result["formula"]["TP"] > 0
+    assert set(result["step_time"]) == {bench.DENSE, bench.TP, bench.DP}
+    assert "TP-2" in bench.report(result)
