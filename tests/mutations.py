@@ -61,6 +61,8 @@ READINESS_ORDER = (
     "            self._to_reduce.remove(u)  # whichever unit this rank completed first\n"
     "            self._launch_reduce_scatter(u)\n",
 )
+TP_APPLY, TP_LAYERS = "minitrain/tensor_parallel/apply.py", "minitrain/tensor_parallel/layers.py"
+TP_TESTS = "tests/test_tensor_parallel.py"
 MUTATIONS = [
     Mutation(
         "no_sync no-op",
@@ -200,6 +202,54 @@ MUTATIONS = [
         "        if not u.keep_full:\n",
         "        if True:\n",
         ["tests/test_fsdp_course.py::test_clip_with_replicated_params_equals_torch"],
+    ),
+    # issue 15: tensor parallelism (tests/test_tensor_parallel.py, the chapter 6 grader)
+    Mutation(
+        "tensor parallel: sequence-parallel LayerNorm gradients not summed",
+        TP_APPLY,
+        "        weight = copy_to_parallel_region(self.weight, self.group)\n",
+        "        weight = self.weight  # each rank keeps its shard's partial gradient\n",
+        [f"{TP_TESTS}::test_forward_loss_and_every_gradient_match_dense[tp+sp-2]"],
+    ),
+    Mutation(
+        "tensor parallel: row-parallel bias added on every rank",
+        TP_LAYERS,
+        "partial = F.linear(x, self.weight)  # this rank's share of the sum; no bias yet",
+        "partial = F.linear(x, self.weight, self.bias)  # the bias joins the sum, t times",
+        [
+            f"{TP_TESTS}::test_forward_loss_and_every_gradient_match_dense[tp-2]",
+            "tests/grading/test_ch06_tensor_parallel.py::test_row_parallel_forward[parallel-input]",
+        ],
+    ),
+    Mutation(
+        "tensor parallel: sequence-parallel row bias gradient not summed",
+        TP_LAYERS,
+        "bias = copy_to_parallel_region(self.bias, self.group) if self.sequence_parallel else self.bias",
+        "bias = self.bias",
+        [
+            f"{TP_TESTS}::test_forward_loss_and_every_gradient_match_dense[tp+sp-4]",
+            "tests/grading/test_ch06_tensor_parallel.py::test_row_parallel_forward[sequence_parallel]",
+        ],
+    ),
+    Mutation(
+        "tensor parallel: vocab-parallel loss with each rank's own max",
+        "minitrain/tensor_parallel/cross_entropy.py",
+        "m = all_reduce(z.max(dim=-1).values, group, dist.ReduceOp.MAX)",
+        "m = z.max(dim=-1).values",
+        [
+            f"{TP_TESTS}::test_vocab_parallel_cross_entropy_equals_torch[unit]",
+            "tests/grading/test_ch06_tensor_parallel.py::test_vocab_parallel_cross_entropy_value[logits~1]",
+        ],
+    ),
+    Mutation(
+        "tensor parallel: f's backward not all-reduced",
+        "minitrain/tensor_parallel/mappings.py",
+        "return all_reduce(grad.contiguous().clone(), ctx.group), None",
+        "return grad, None",
+        [
+            f"{TP_TESTS}::test_forward_loss_and_every_gradient_match_dense[tp-4]",
+            "tests/grading/test_ch06_tensor_parallel.py::test_f_is_identity_forward_and_all_reduce_backward",
+        ],
     ),
 ]
 

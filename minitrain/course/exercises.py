@@ -60,7 +60,14 @@ CHAPTERS: dict[int, tuple[str, list[str]]] = {
         ],
     ),
     # later chapters: their authors list the modules (files of their packages) here
-    6: ("ex06_tensor_parallel", ["minitrain.tensor_parallel"]),
+    6: (
+        "ex06_tensor_parallel",
+        [
+            "minitrain.tensor_parallel.mappings",
+            "minitrain.tensor_parallel.layers",
+            "minitrain.tensor_parallel.cross_entropy",
+        ],
+    ),
     7: ("ex07_pipeline_parallel", ["minitrain.pipeline"]),
     8: ("ex08_mixture_of_experts", ["minitrain.moe"]),
     9: ("ex09_flash_attention", ["minitrain.flash_attention"]),

@@ -1,0 +1,138 @@
+"""Benchmark: training-step time of the tensor-parallel GPT against one process and against
+data parallelism, and the bytes tensor parallelism sends against the formula.
+
+    python -m minitrain.bench tp [--quick] [--steps 10]
+
+Three ways to train the same GPT on the same global batch with AdamW, gloo:
+- dense, one process (rank 0 alone; rank 1 waits at a barrier);
+- TP-2: ``apply_tensor_parallel`` over 2 ranks, each seeing the whole batch;
+- DP-2: ``minitrain.ddp.DataParallel`` over 2 ranks, each seeing half of it.
+They take turns step by step, so a slow moment of the machine hits them all alike; a step's
+time is the slowest rank's, and the median over steps is printed with the quartiles.
+
+Bytes (per rank and step, ring): TP sends 4 all-reduces of b*s*h per block plus the
+embedding's and the head's (Shoeybi et al. 2019, section 3) and three numbers per token for
+the loss — counted by ``minitrain.tensor_parallel.mappings`` — next to the sum of
+``layer_collectives``; DP sends 2(N-1)/N of the gradients (not counted here: formula).
+What to expect on a 2-core CPU: TP's per-layer all-reduces sit on the critical path and the
+matmuls are too small to gain from halving, so TP is the slowest here; on GPUs within a node
+(NVLink) it is how models too large for one device are trained at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from minitrain.launch import launch
+
+DENSE, TP, DP = "dense, 1 process", "TP-2 (tensor_parallel)", "DP-2 (minitrain.ddp)"
+MODEL = dict(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=256)  # 3.3 M parameters
+QUICK_MODEL = dict(vocab_size=128, seq_len=32, n_layer=2, n_head=4, d_model=128)
+
+
+def _rank_measure(config, steps, batch):
+    from minitrain.ddp import DataParallel
+    from minitrain.model import GPT, GPTConfig, lm_loss
+    from minitrain.tensor_parallel import apply_tensor_parallel, mappings
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    dense = GPT(GPTConfig(**config))
+    models = {DENSE: copy.deepcopy(dense), TP: apply_tensor_parallel(copy.deepcopy(dense)),
+              DP: DataParallel(copy.deepcopy(dense))}
+    opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]), generator=g)
+    y = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]), generator=g)
+    half = slice(rank * batch // world, (rank + 1) * batch // world)
+    inputs = {DENSE: (x, y), TP: (x, y), DP: (x[half], y[half])}
+    times, sent = {name: [] for name in models}, 0
+    for step in range(steps + 2):  # two warm-up steps
+        for name, model in models.items():
+            dist.barrier()
+            if name == DENSE and rank != 0:
+                continue  # one process: the others wait at the next barrier
+            mappings.reset_communication_log()
+            start = time.perf_counter()
+            opts[name].zero_grad()
+            xs, ys = inputs[name]
+            # DataParallel wraps forward (its all-reduces start from hooks in backward)
+            loss = lm_loss(model(xs), ys) if name == DP else model.loss(xs, ys)
+            loss.backward()
+            opts[name].step()
+            if step >= 2:
+                times[name].append(time.perf_counter() - start)
+            if name == TP:
+                sent = sum(r for _, _, r in mappings.communication_log())
+    return {"times": times, "sent": sent}
+
+
+def formula_bytes(config, batch, world=2) -> dict:
+    """Bytes one rank sends per step on a ring: {"TP": ..., "DP": ...}."""
+    from minitrain.model import GPTConfig, gpt_num_params
+    from minitrain.tensor_parallel.measure import layer_collectives, total_bytes
+
+    b, s, h = batch, config["seq_len"], config["d_model"]
+    entries = []
+    for layer, count in (("embedding", 1), ("attention", config["n_layer"]),
+                         ("mlp", config["n_layer"]), ("head", 1)):
+        fwd, bwd = layer_collectives(layer, b, s, h, world, False)
+        entries += (fwd + bwd) * count
+    psi = gpt_num_params(GPTConfig(**config))
+    return {"TP": total_bytes(entries, world)["ring_bytes"],
+            "DP": round(2 * (world - 1) / world * 4 * psi)}
+
+
+def measure(config=MODEL, steps: int = 10, batch: int = 8) -> dict:
+    """{"step_time": {variant: median}, "spread": {variant: (q1, q3)}, "sent": TP's bytes
+    per rank and step, "formula": formula_bytes(...)}."""
+    res = launch(_rank_measure, 2, config, steps, batch, timeout=900)
+    slowest = {name: [max(r["times"][name][i] for r in res if r["times"][name])
+                      for i in range(steps)] for name in res[0]["times"]}
+    return {
+        "step_time": {n: statistics.median(t) for n, t in slowest.items()},
+        "spread": {n: tuple(statistics.quantiles(t, n=4)[::2]) if len(t) > 1 else (t[0], t[0])
+                   for n, t in slowest.items()},
+        "sent": res[0]["sent"],
+        "formula": formula_bytes(config, batch),
+    }
+
+
+def report(result: dict) -> str:
+    base = result["step_time"][DENSE]
+    sent = {DENSE: "0", TP: f"{result['sent']:,}", DP: "(not counted)"}
+    formula = {DENSE: "0", TP: f"{result['formula']['TP']:,}", DP: f"{result['formula']['DP']:,}"}
+    lines = [f"{'variant':<24} {'step (ms)':>9} {'p25-p75 (ms)':>13} {'vs dense':>8} "
+             f"{'sent/step/rank (B)':>19} {'formula (B)':>12}"]
+    for name, t in result["step_time"].items():
+        lo, hi = result["spread"][name]
+        lines.append(f"{name:<24} {t * 1e3:9.1f} {f'{lo * 1e3:.1f}-{hi * 1e3:.1f}':>13} "
+                     f"{t / base:7.2f}x {sent[name]:>19} {formula[name]:>12}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minitrain.bench tp",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller model, fewer steps")
+    parser.add_argument("--steps", type=int, default=None)
+    args = parser.parse_args(argv)
+    config = QUICK_MODEL if args.quick else MODEL
+    steps = args.steps or (4 if args.quick else 10)
+    from minitrain.model import GPTConfig, gpt_num_params
+
+    n = gpt_num_params(GPTConfig(**config))
+    print(f"GPT {config}: {n / 1e6:.2f} M parameters, AdamW, global batch 8, gloo, "
+          f"median of {steps} steps (each the slowest rank's)\n")
+    print(report(measure(config, steps)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
