@@ -84,11 +84,11 @@ class FullyShardedDataParallel:
     # Only the methods you write; the rest of the class is in minitrain.fsdp.wrapper.
 
     def _pre_forward(self, index):
-        """Before unit ``index``'s forward (Zhao et al. 2023, §3.1): its parameters whole.
+        """Before unit ``index``'s forward (Zhao et al. 2023): its parameters whole.
 
         Launch, in unit order, the gathers up to the *next* unit (``self._gather_in_order(
         index + 1)``: this unit's, if no prefetch did, and the next one's, so it travels while
-        this unit computes, §3.3); free the earlier units (``self._free``: a branch may have
+        this unit computes: forward prefetching); free the earlier units (``self._free``: a branch may have
         skipped one, then its prefetched gather is still held); wait for this unit's gather
         (``self._wait_gather``); note the start: ``self._unit_start = trace.now()``.
         """
@@ -121,4 +121,4 @@ class FullyShardedDataParallel:
         # HINT: dist.all_reduce(tensor, group=..., async_op=True) returns a work handle too
         raise NotImplementedError("exercise: write FullyShardedDataParallel._launch_reduce_scatter (see its docstring)")
 
-# minitrain-exercises-hash: 98cfa7b1bf6ccbd4
+# minitrain-exercises-hash: 9676c8dea55bb2b7

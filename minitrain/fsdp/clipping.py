@@ -4,7 +4,7 @@ Chapter 5, notebooks/05_zero.ipynb; ``FullyShardedDataParallel.clip_grad_norm_``
 scales every gradient by min(1, max_norm / ‖g‖) with ‖g‖ the norm of the *whole* model's
 gradient (Pascanu et al. 2013). Under FSDP rank r holds slice r of each unit's gradient, so
 the square of the norm is a sum over ranks: each rank sums the squares of its slices, one
-all-reduce adds them up (Zhao et al. 2023, §6.1 lists it among what sharding changes). The
+all-reduce adds them up (Zhao et al. 2023 list gradient clipping among what sharding changes). The
 padding of the flat units is zero and adds nothing. Replicated parameters are whole on every
 rank: their squares are added *after* the all-reduce, so they count once, not N times.
 """

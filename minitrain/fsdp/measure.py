@@ -1,10 +1,10 @@
 """What FSDP costs, measured and predicted: bytes per rank, peak gathered bytes, bytes sent.
 
 Chapter 5, notebooks/05_zero.ipynb; the widget (widgets/ch05_zero.py) and the benchmark
-(bench/zero.py) call these. Zhao et al. 2023 (PyTorch FSDP) §3.2: with parameters, gradients
+(bench/zero.py) call these. Zhao et al. 2023 (PyTorch FSDP, "Sharding Strategies"): with parameters, gradients
 and optimizer state sharded, a rank keeps 1/N of the model states — ZeRO-3's (4 + 4 + 8)Ψ/N
 in fp32 (Rajbhandari et al. 2020, §5, Figure 1) — plus, for a moment, the units it has
-gathered: the current one and the prefetched one, never the model (§3.3). Per step it sends
+gathered: the current one and the prefetched one, never the model (prefetching). Per step it sends
 two all-gathers and one reduce-scatter of Ψ: 3Ψ·(N−1)/N elements (ZeRO §7); in bf16 the two
 gathers move 2-byte elements and the reduce-scatter stays fp32: (2 + 2 + 4)Ψ·(N−1)/N bytes.
 """

@@ -2,15 +2,16 @@
 
 Chapter 5, notebooks/05_zero.ipynb. Zhao et al. 2023, "PyTorch FSDP: Experiences on Scaling
 Fully Sharded Data Parallel" (VLDB): the model is cut into *units*; each unit's parameters
-live in one flat buffer, padded and split into N equal shards (§3.2, rank r keeps shard r);
-a unit is all-gathered just before its forward and freed after it, gathered again for its
-backward, and its gradients are reduce-scattered as soon as its backward is done (§3.1,
-Figure 3); the next unit's gather is prefetched (§3.3). That is ZeRO stage 3 (Rajbhandari et
+live in one flat buffer, padded and split into N equal shards (sections "Sharding Strategies"
+and "Flat Parameters"; rank r keeps shard r); a unit is all-gathered just before its forward
+and freed after it, gathered again for its backward, and its gradients are reduce-scattered as
+soon as its backward is done; the next unit's gather is prefetched ("Communication
+Optimizations": backward and forward prefetching). That is ZeRO stage 3 (Rajbhandari et
 al. 2020, §5.3), and the schedule is chapter 5's: ``minitrain.zero.ShardedUnits``. What FSDP
 adds is the *interface*: the wrapper is an ``nn.Module`` whose ``parameters()`` are the fp32
 shards, so an ordinary optimizer (``torch.optim.AdamW(fsdp.parameters())``) steps them and
 the training loop is the usual one, plus ``finish_gradient_synchronization()`` — and
-``compute_dtype`` (§4.3 mixed precision: gather and compute in bf16/fp16, shards, gradients
+``compute_dtype`` ("Native Mixed Precision": gather and compute in bf16/fp16, shards, gradients
 and optimizer in fp32) and ``replicated_params`` (kept whole, gradients all-reduced as DDP).
 """
 
@@ -144,11 +145,11 @@ class FullyShardedDataParallel(ShardedUnits):
             self._bwd_next -= 1
 
     def _pre_forward(self, index):
-        """Before unit ``index``'s forward (Zhao et al. 2023, §3.1): its parameters whole.
+        """Before unit ``index``'s forward (Zhao et al. 2023): its parameters whole.
 
         Launch, in unit order, the gathers up to the *next* unit (``self._gather_in_order(
         index + 1)``: this unit's, if no prefetch did, and the next one's, so it travels while
-        this unit computes, §3.3); free the earlier units (``self._free``: a branch may have
+        this unit computes: forward prefetching); free the earlier units (``self._free``: a branch may have
         skipped one, then its prefetched gather is still held); wait for this unit's gather
         (``self._wait_gather``); note the start: ``self._unit_start = trace.now()``.
         """
