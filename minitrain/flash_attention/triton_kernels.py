@@ -26,10 +26,17 @@ over the group in PyTorch afterwards — no atomics there either.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
-import triton
-import triton.language as tl
+
+if not torch.cuda.is_available():
+    # no GPU: Triton's interpreter (numpy on CPU tensors) is the only way these kernels run.
+    # It is chosen when the kernels are decorated, so the variable must be set before that.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402  (after TRITON_INTERPRET is decided)
+import triton.language as tl  # noqa: E402
 
 
 @triton.jit
