@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from minitrain import trace
-from minitrain.context_parallel.block import block_attention_backward, block_attention_forward
 from minitrain.context_parallel.layout import check_divisible, rank_chunks
 from minitrain.context_parallel.ring import Exchange, causal_blocks
+from minitrain.flash_attention import flash_attention_backward, flash_attention_forward
 from minitrain.point_to_point import ring_neighbours
 
 
@@ -43,7 +43,7 @@ def ring_step(qs, q_chunks, kv, kv_chunks, outs, lses, causal, group=None, send=
     in order; ``outs``/``lses``: per query chunk, the running output and logsumexp so far
     (``None`` before its first block), updated in place. Start sending ``kv`` on
     (``Exchange``) *before* computing, so the transfer overlaps the compute; compute each
-    needed (query chunk, key chunk) pair with ``block_attention_forward`` (``causal_blocks``
+    needed (query chunk, key chunk) pair with ``flash_attention_forward`` (``causal_blocks``
     says which, and where the causal mask applies); merge into ``outs``/``lses`` with
     ``merge_attention``; then wait for the block from the previous rank and return it.
     """
@@ -51,4 +51,4 @@ def ring_step(qs, q_chunks, kv, kv_chunks, outs, lses, causal, group=None, send=
     # HINT: kv[0].chunk(len(kv_chunks), dim=-2) gives the key chunks
     raise NotImplementedError("exercise: write ring_step (see its docstring)")
 
-# minitrain-exercises-hash: 93b92f4eab048e89
+# minitrain-exercises-hash: 13d9b4b74538c0ad

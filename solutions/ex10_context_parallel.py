@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from minitrain import trace
-from minitrain.context_parallel.block import block_attention_backward, block_attention_forward
 from minitrain.context_parallel.layout import check_divisible, rank_chunks
 from minitrain.context_parallel.ring import Exchange, causal_blocks
+from minitrain.flash_attention import flash_attention_backward, flash_attention_forward
 from minitrain.point_to_point import ring_neighbours
 
 
@@ -48,7 +48,7 @@ def ring_step(qs, q_chunks, kv, kv_chunks, outs, lses, causal, group=None, send=
     in order; ``outs``/``lses``: per query chunk, the running output and logsumexp so far
     (``None`` before its first block), updated in place. Start sending ``kv`` on
     (``Exchange``) *before* computing, so the transfer overlaps the compute; compute each
-    needed (query chunk, key chunk) pair with ``block_attention_forward`` (``causal_blocks``
+    needed (query chunk, key chunk) pair with ``flash_attention_forward`` (``causal_blocks``
     says which, and where the causal mask applies); merge into ``outs``/``lses`` with
     ``merge_attention``; then wait for the block from the previous rank and return it.
     """
@@ -59,7 +59,7 @@ def ring_step(qs, q_chunks, kv, kv_chunks, outs, lses, causal, group=None, send=
     ks, vs = kv[0].chunk(len(kv_chunks), dim=-2), kv[1].chunk(len(kv_chunks), dim=-2)
     with trace.span("attention block", "compute"):
         for i, j, diagonal in causal_blocks(q_chunks, kv_chunks, causal):
-            out, lse = block_attention_forward(qs[i], ks[j], vs[j], causal=diagonal)
+            out, lse = flash_attention_forward(qs[i], ks[j], vs[j], causal=diagonal)
             if outs[i] is None:
                 outs[i], lses[i] = out, lse
             else:
@@ -67,4 +67,4 @@ def ring_step(qs, q_chunks, kv, kv_chunks, outs, lses, causal, group=None, send=
     return exchange.wait() if exchange is not None else None
     ### END SOLUTION
 
-# minitrain-exercises-hash: 65c402c60fd1d373
+# minitrain-exercises-hash: f2f3dcf73b3f7881

@@ -96,11 +96,11 @@ def test_errors_name_the_numbers():
 
 
 def _bytes_and_balance(world):
+    from torch.utils.flop_counter import FlopCounterMode
+
     from minitrain.context_parallel import communication_log, reset_communication_log
     from minitrain.context_parallel.measure import forward_flops, ring_bytes
     from minitrain.context_parallel.ring import ring_attention
-
-    from torch.utils.flop_counter import FlopCounterMode
 
     b, h, n, d = 2, 2, 16, 8  # n tokens per rank
     out = {}

@@ -3,8 +3,8 @@
 Liu et al. 2023 ("Ring Attention with Blockwise Transformers"). Files by role:
 ``layout.py`` (which chunks of the sequence each rank holds: contiguous or zigzag;
 ``shard_sequence``/``gather_sequence``), ``merge.py`` (partial attention merged by its
-logsumexp), ``block.py`` (one block's attention and its backward), ``ring.py`` (the ring:
-forward, backward, the autograd Function), ``model.py`` (the course's GPT trained with its
+logsumexp), ``ring.py`` (the ring: forward, backward, the autograd Function; each block by
+chapter 9's ``flash_attention_forward``/``flash_attention_backward``), ``model.py`` (the course's GPT trained with its
 sequence split) and ``measure.py`` (bytes, FLOPs, time and memory per rank).
 """
 

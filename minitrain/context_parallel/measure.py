@@ -9,8 +9,9 @@ contiguous, n/2 for zigzag), bh = batch × heads, d the head size, e bytes per e
   and V P−1 times, backward K and V P−1 times and dK, dV P times (the last hop home).
 - Work: ``schedule`` lists, per rank and ring step, the (query chunk, key chunk) pairs
   computed (causal: pairs with the key chunk in the future are skipped, the diagonal is
-  masked). Forward FLOPs of a pair are 4·bh·c²·d (q kᵀ and P v, 2 FLOPs per multiply-add;
-  a masked diagonal is computed in full). Contiguous causal: rank r computes r + 1 pairs,
+  masked). Forward FLOPs of a pair are 4·bh·c²·d (q kᵀ and P v, 2 FLOPs per multiply-add);
+  on the diagonal chapter 9's kernel skips the tiles wholly in the future, the rest it
+  computes in full (``pair_entries``). Contiguous causal: rank r computes r + 1 pairs,
   so the last rank does P times the first's work; zigzag: every rank computes 2P pairs of
   half-size chunks (each c = n/2), the same for all (Brandon et al. 2023 make the same case).
 - Memory: ring attention saves q, k, v, out (4·bh·n·d·e) and the logsumexp (bh·n·4) per
@@ -34,6 +35,7 @@ from minitrain.context_parallel.ring import (
     reset_communication_log,
     ring_attention,
 )
+from minitrain.flash_attention.tiles import BLOCK_K, BLOCK_Q, blocks
 from minitrain.launch import launch
 
 
@@ -60,11 +62,20 @@ def schedule(seq_len, world_size, layout="contiguous", causal=True) -> list[list
     return out
 
 
+def pair_entries(chunk, diagonal) -> int:
+    """Scores chapter 9's tiled forward computes for one (query chunk, key chunk) pair:
+    all chunk² of them, or on the diagonal only its tiles not wholly in the future."""
+    if not diagonal:
+        return chunk * chunk
+    return sum((i1 - i0) * (j1 - j0) for i0, i1 in blocks(chunk, BLOCK_Q)
+               for j0, j1 in blocks(chunk, BLOCK_K) if j0 <= i1 - 1)
+
+
 def forward_flops(seq_len, world_size, layout="contiguous", causal=True, batch_heads=1,
                   head_dim=64) -> list[int]:
-    """Forward attention FLOPs per rank: 4·bh·c²·d per computed (query, key) chunk pair."""
+    """Forward attention FLOPs per rank: 4·bh·d per score computed (q kᵀ and P v)."""
     c = seq_len // num_chunks(world_size, layout)
-    return [4 * batch_heads * c * c * head_dim * sum(len(s) for s in steps)
+    return [4 * batch_heads * head_dim * sum(pair_entries(c, diag) for s in steps for _, _, diag in s)
             for steps in schedule(seq_len, world_size, layout, causal)]
 
 

@@ -8,11 +8,16 @@ to the next rank and receiving the next one from the previous (``isend``/``irecv
 started before the compute, waited after it, so the transfer hides behind the compute).
 Partial results are merged by their logsumexp (``merge.merge_attention``).
 
-Backward (an autograd Function): with the *global* output and logsumexp saved, each
-block's gradients are independent (Dao et al. 2022, Algorithm 2). The key/value blocks
-travel round the ring again, each carrying its dK, dV accumulator: rank r adds its
-queries' share to the block in hand and passes block and accumulator on; after P steps
-the accumulator has visited every rank and one last hop brings it home. dQ stays local.
+Each block is computed by chapter 9's tiled kernels (``minitrain.flash_attention``):
+``flash_attention_forward`` returns a block's output and logsumexp, and
+``flash_attention_backward``, given the *global* output and logsumexp, one block's exact
+gradients (Dao 2023, Algorithm 2) — so ring attention is FlashAttention's outer loop with
+the key/value blocks arriving from other ranks.
+
+Backward (an autograd Function): the key/value blocks travel round the ring again, each
+carrying its dK, dV accumulator: rank r adds its queries' share to the block in hand and
+passes block and accumulator on; after P steps the accumulator has visited every rank and
+one last hop brings it home. dQ stays local.
 
 Bytes one rank sends per call (b batch, h heads, n = N/P tokens per rank, d head size,
 e bytes per element; a K or V block is b·h·n·d·e bytes):
@@ -27,9 +32,9 @@ import torch
 import torch.distributed as dist
 
 from minitrain import trace
-from minitrain.context_parallel.block import block_attention_backward, block_attention_forward
 from minitrain.context_parallel.layout import check_divisible, rank_chunks
 from minitrain.context_parallel.merge import merge_attention
+from minitrain.flash_attention import flash_attention_backward, flash_attention_forward
 from minitrain.point_to_point import ring_neighbours
 
 KV_TAG, GRAD_TAG = 10, 11  # two exchanges can be in flight to the same neighbour at once
@@ -100,7 +105,7 @@ def ring_step(qs, q_chunks, kv, kv_chunks, outs, lses, causal, group=None, send=
     in order; ``outs``/``lses``: per query chunk, the running output and logsumexp so far
     (``None`` before its first block), updated in place. Start sending ``kv`` on
     (``Exchange``) *before* computing, so the transfer overlaps the compute; compute each
-    needed (query chunk, key chunk) pair with ``block_attention_forward`` (``causal_blocks``
+    needed (query chunk, key chunk) pair with ``flash_attention_forward`` (``causal_blocks``
     says which, and where the causal mask applies); merge into ``outs``/``lses`` with
     ``merge_attention``; then wait for the block from the previous rank and return it.
     """
@@ -111,7 +116,7 @@ def ring_step(qs, q_chunks, kv, kv_chunks, outs, lses, causal, group=None, send=
     ks, vs = kv[0].chunk(len(kv_chunks), dim=-2), kv[1].chunk(len(kv_chunks), dim=-2)
     with trace.span("attention block", "compute"):
         for i, j, diagonal in causal_blocks(q_chunks, kv_chunks, causal):
-            out, lse = block_attention_forward(qs[i], ks[j], vs[j], causal=diagonal)
+            out, lse = flash_attention_forward(qs[i], ks[j], vs[j], causal=diagonal)
             if outs[i] is None:
                 outs[i], lses[i] = out, lse
             else:
@@ -152,7 +157,7 @@ def ring_backward(q, k, v, out, lse, grad_out, causal=False, group=None, layout=
         dks, dvs = dkv[0].chunk(n, dim=-2), dkv[1].chunk(n, dim=-2)  # views into dkv
         with trace.span("attention block backward", "compute"):
             for i, j, diagonal in causal_blocks(q_chunks, kv_chunks, causal):
-                dq, dk, dv = block_attention_backward(qs[i], ks[j], vs[j], outs[i], lses[i],
+                dq, dk, dv = flash_attention_backward(qs[i], ks[j], vs[j], outs[i], lses[i],
                                                       dos[i], causal=diagonal)
                 dqs[i] += dq
                 dks[j].add_(dk)
