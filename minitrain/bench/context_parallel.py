@@ -8,8 +8,8 @@ forward FLOPs counted by torch's FlopCounterMode next to the formula (4·bh·d p
 computed), the CPU seconds of forward + backward (median of repeats; CPU time, not wall
 time, so ranks sharing two cores are still compared fairly), the bytes sent next to the
 formula (forward (P−1)·2 blocks, backward (P−1)·2 + P·2) and the bytes saved for backward
-next to the formula; then the saved bytes for P = 1, 2, 4 (linear in N/P), and how much of
-the send/recv time ran while the rank was computing (from the trace).
+next to the formula; then the saved bytes for P = 1, 2, 4 (linear in N/P), and the share of
+each rank's compute time during which a send/recv was in flight (from the trace).
 
 What to expect: contiguous gives the last rank about P times the first rank's causal work
 (its queries see every earlier key); zigzag gives every rank the same (max/min ≈ 1).
@@ -56,13 +56,13 @@ def main(argv=None) -> int:
               and set(m["saved_bytes"]) == {m["formula_saved_bytes"]})
         all_ok &= ok
         hidden = [overlap_summary(t) for t in m["traces"]]
-        frac = [h["overlapped"] / h["in_flight"] if h["in_flight"] else 1.0 for h in hidden]
+        frac = [h["overlapped"] / h["compute"] if h["compute"] else 0.0 for h in hidden]
         print(f"  formulas: bytes forward {m['formula_sent_forward']:,}, backward "
               f"{m['formula_sent_backward']:,}, saved {m['formula_saved_bytes']:,}; "
               f"all equal to the counts: {ok}")
         print(f"  work balance max/min: FLOPs {max(flops) / min(flops):.2f}, "
               f"CPU time {max(cpu) / min(cpu):.2f}")
-        print("  share of send/recv time overlapped with compute, per rank: "
+        print("  share of compute time with a send/recv in flight, per rank: "
               + ", ".join(f"{f:.0%}" for f in frac))
     print(f"\nbytes saved for backward per rank against N/P (N = {n}, contiguous, causal):")
     for p in (1, 2, 4):
