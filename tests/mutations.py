@@ -297,10 +297,11 @@ MUTATIONS = [
         ["tests/test_flash_attention.py::test_matches_sdpa_fp32"],
     ),
     Mutation(
-        "flash triton: causal mask dropped in the dK/dV kernel",
+        "flash triton: causal mask dropped in the backward's tile recomputation",
         "minitrain/flash_attention/triton_kernels.py",
         "p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)  # P rebuilt from L",
-        "p = tl.exp(s - lse[:, None])  # P rebuilt from L",
+        "p = tl.where((rows < n_q)[:, None] & (keys < n_k)[None, :], tl.exp(s - lse[:, None]), 0.0)"
+        "  # P rebuilt from L",
         ["tests/test_flash_attention_triton.py::test_triton_equals_tiles_and_sdpa"],
     ),
 ]

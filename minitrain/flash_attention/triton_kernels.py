@@ -107,6 +107,20 @@ def flash_forward_kernel(Q, K, V, Out, L, n_q, n_k, groups, scale,
 
 
 @triton.jit
+def recompute_tile(q, k, v, do, lse, delta, rows, keys, n_q, n_k, scale,
+                   CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    """P = exp(S - L) rebuilt from the saved logsumexp (recomputation), and
+    dS = P * (dO V^T - D) for one tile (Dao 2023, Alg. 2 lines 11-14); both backward kernels."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    visible = (rows < n_q)[:, None] & (keys < n_k)[None, :]
+    if CAUSAL:
+        visible = visible & (keys[None, :] <= rows[:, None])
+    p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)  # P rebuilt from L: recomputation
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
 def flash_backward_dkdv_kernel(Q, K, V, DO, L, DELTA, DK, DV, n_q, n_k, groups, scale,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
                      BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
@@ -131,14 +145,8 @@ def flash_backward_dkdv_kernel(Q, K, V, DO, L, DELTA, DK, DV, n_q, n_k, groups, 
         do = tl.load(DO + q_base + rows[:, None] * D + cols[None, :], mask=q_mask, other=0.0)
         lse = tl.load(L + pid_h.to(tl.int64) * n_q + rows, mask=rows < n_q, other=0.0)
         delta = tl.load(DELTA + pid_h.to(tl.int64) * n_q + rows, mask=rows < n_q, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        visible = (rows < n_q)[:, None] & (keys < n_k)[None, :]
-        if CAUSAL:
-            visible = visible & (keys[None, :] <= rows[:, None])
-        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)  # P rebuilt from L: recomputation
+        p, ds = recompute_tile(q, k, v, do, lse, delta, rows, keys, n_q, n_k, scale, CAUSAL, PRECISION)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION) * scale
     # per query head (fp32): a GQA group's heads are summed by the caller
     out = pid_h.to(tl.int64) * n_k * D + keys[:, None] * D + cols[None, :]
@@ -170,13 +178,7 @@ def flash_backward_dq_kernel(Q, K, V, DO, L, DELTA, DQ, n_q, n_k, groups, scale,
         kv_mask = (keys < n_k)[:, None] & (cols < D)[None, :]
         k = tl.load(K + kv_base + keys[:, None] * D + cols[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + kv_base + keys[:, None] * D + cols[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        visible = (keys < n_k)[None, :]
-        if CAUSAL:
-            visible = visible & (keys[None, :] <= rows[:, None])
-        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
+        _, ds = recompute_tile(q, k, v, do, lse, delta, rows, keys, n_q, n_k, scale, CAUSAL, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION) * scale
     tl.store(DQ + q_base + rows[:, None] * D + cols[None, :], dq, mask=q_mask)
 
