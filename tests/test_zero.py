@@ -358,3 +358,31 @@ def test_gradient_accumulation_and_no_grad_forward():
         for name in ref:
             assert (state[name] - ref[name]).abs().max().item() <= ATOL, (stage, name)
         assert torch.allclose(prediction, want, atol=1e-5), f"stage {stage} eval output"
+
+
+def _stage3_in_one_of_two_groups(steps=3):
+    """Ranks {0, 2} train with stage 3 on their group, ranks {1, 3} with stage 1 on theirs:
+    as data-parallel groups inside a larger mesh, where only one group's ranks build stage 3."""
+    from minitrain.zero import ZeroDataParallel
+
+    rank = dist.get_rank()
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]  # every rank makes every group
+    group, stage = groups[rank % 2], 3 if rank % 2 == 0 else 1
+    torch.manual_seed(0)
+    z = ZeroDataParallel(Toy(), torch.optim.AdamW, stage, group=group, lr=LR, bucket_cap_mb=4e-4)
+    for s in range(steps):
+        x, y = toy_batch(s, rank // 2, 2)
+        z.zero_grad()
+        ((z(x) - y) ** 2).mean().backward()
+        z.step()
+    return z.full_state_dict()
+
+
+def test_stage3_inside_one_data_parallel_group_of_several():
+    # stage 3 makes a second group for its gathers, on its own ranks only (the other group's
+    # ranks never build one): the mesh of chapter 11 puts ZeRO inside one DP group of several
+    ref = _reference(steps=3)
+    for rank, state in enumerate(launch(_stage3_in_one_of_two_groups, 4, timeout=60)):
+        for name, want in ref.items():
+            err = (state[name] - want).abs().max().item()
+            assert err <= ATOL, f"rank {rank} (stage {3 if rank % 2 == 0 else 1}): {name} off by {err}"

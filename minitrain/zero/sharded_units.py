@@ -81,8 +81,10 @@ class ShardedUnits(nn.Module):
         # which reduce-scatters come before a given gather depends on the parameters this rank
         # used. Collectives of one group pair up by position, so the two kinds travel on two
         # groups of the same ranks, each in one order on every rank (FSDP's two streams).
+        # new_group's default asks every rank of the world to call it; with data parallelism
+        # inside a larger mesh only this group's ranks are here, so they synchronize locally.
         ranks = None if self.group is None else dist.get_process_group_ranks(self.group)
-        self._gather_group = dist.new_group(ranks)
+        self._gather_group = dist.new_group(ranks, use_local_synchronization=True)
         for i, block in enumerate(self.blocks):
             block.register_forward_pre_hook(functools.partial(self._pre_hook, i))
             block.register_forward_hook(functools.partial(self._post_hook, i))
