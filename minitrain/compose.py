@@ -1,0 +1,149 @@
+"""The course's GPT on a device mesh: chapters 4–7 and 10 composed, none re-implemented.
+
+Chapter 11, notebooks/11_putting_it_together.ipynb; ``python -m minitrain.train`` calls it.
+Each technique wraps the model from the inside out, each over its own mesh group:
+
+1. tensor (+sequence) parallelism splits every block's matrices over ``mesh.group("tp")``
+   (chapter 6, ``apply_tensor_parallel``: Shoeybi et al. 2019; Korthikanti et al. 2022);
+2. pipeline parallelism gives each ``pp`` coordinate a contiguous share of the blocks and
+   runs a GPipe or 1F1B schedule of micro-batches (chapter 7, ``minitrain.pipeline``);
+3. data parallelism averages gradients over ``mesh.group("dp")`` (chapter 4's
+   ``DataParallel``), or shards optimizer state, gradients, parameters (chapter 5's
+   ``ZeroDataParallel``, stages 1–3: Rajbhandari et al. 2020).
+
+Every rank starts from the same dense model (same seed), so each rank's shards are slices of
+the single-process model: the loss curve is the single process's, within float rounding.
+The global batch is fixed; ``minitrain.data.get_batch`` hands data-parallel rank r its
+rows, and every tensor-parallel (and pipeline) rank of a data-parallel replica reads the same.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+from minitrain.data import get_batch
+from minitrain.ddp import DataParallel
+from minitrain.mesh import DeviceMesh, check_layout
+from minitrain.model import GPT, GPTConfig, lm_loss
+from minitrain.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
+from minitrain.zero import ZeroDataParallel
+
+
+class ParallelGPT:
+    """One rank's share of the GPT on a mesh, its optimizer, and ``step(step_index)``.
+
+    ``layout``: dict with dp, tp, pp, cp, zero (0–3), microbatches, schedule ("gpipe" or
+    "1f1b"), sequence_parallel. ``step`` returns the global mean loss of that step (the same
+    number on every rank), exactly what one process computes on the whole batch.
+    """
+
+    def __init__(self, config: GPTConfig, layout: dict, batch_size: int, lr: float, seed: int,
+                 mesh: DeviceMesh | None = None):
+        self.config, self.batch_size, self.seed = config, batch_size, seed
+        self.layout = full_layout(layout)
+        lo = self.layout
+        check_layout(config, lo["dp"], lo["tp"], lo["pp"], lo["cp"], config.seq_len,
+                     batch_size, lo["microbatches"])
+        if lo["pp"] > 1 or lo["cp"] > 1:
+            raise ValueError(
+                f"this build composes DP × TP (+SP) and ZeRO; pp={lo['pp']}, cp={lo['cp']} need "
+                "chapters 7 and 10 (minitrain.pipeline, minitrain.context_parallel)")
+        self.mesh = mesh or DeviceMesh(dp=lo["dp"], tp=lo["tp"], pp=lo["pp"], cp=lo["cp"])
+        self.dp_group, self.tp_group = self.mesh.group("dp"), self.mesh.group("tp")
+        torch.manual_seed(seed)  # the same dense model on every rank
+        model = GPT(config)
+        if lo["tp"] > 1:
+            apply_tensor_parallel(model, self.tp_group, lo["sequence_parallel"], seed=seed)
+        self.model = model
+        if lo["zero"] == 0:
+            self.wrapped = DataParallel(model, group=self.dp_group) if lo["dp"] > 1 else model
+            self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        else:
+            self.wrapped = ZeroDataParallel(model, torch.optim.AdamW, lo["zero"],
+                                            group=self.dp_group, lr=lr)
+            self.optimizer = self.wrapped  # step() and zero_grad() of its own
+
+    def loss_fn(self, logits, targets):
+        if self.layout["tp"] > 1:  # this rank holds a vocabulary slice of the logits
+            return vocab_parallel_cross_entropy(logits, targets, self.tp_group)
+        return lm_loss(logits, targets)
+
+    def local_batch(self, step: int):
+        """This data-parallel rank's rows of the global batch of ``step``."""
+        c = self.config
+        return get_batch(step, self.batch_size, self.mesh.coords().dp, self.layout["dp"],
+                         vocab_size=c.vocab_size, seq_len=c.seq_len, seed=self.seed)
+
+    def step(self, step: int) -> float:
+        """One optimizer step on the global batch of ``step``; the global mean loss."""
+        x, y = self.local_batch(step)
+        m = self.layout["microbatches"]
+        self.optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        chunks = list(zip(x.chunk(m), y.chunk(m)))
+        for i, (xi, yi) in enumerate(chunks):
+            # gradient accumulation: only the last micro-batch's backward synchronises
+            last = i == len(chunks) - 1
+            accumulate = isinstance(self.wrapped, DataParallel) and not last
+            sync = self.wrapped.no_sync() if accumulate else nullcontext()
+            with sync:
+                loss = self.loss_fn(self.wrapped(xi), yi) / m
+                loss.backward()
+            total += loss.detach()
+        self.optimizer.step()
+        return self.reduce_loss(total)
+
+    def reduce_loss(self, local: torch.Tensor) -> float:
+        """The mean over data-parallel ranks (TP ranks already agree): one fp32 all-reduce."""
+        t = local.detach().reshape(1).clone()
+        if self.layout["dp"] > 1:
+            dist.all_reduce(t, group=self.dp_group)
+            t /= self.layout["dp"]
+        return t.item()
+
+    def state(self) -> dict:
+        """What a checkpoint must hold to continue bit-exactly: weights, optimizer, RNG."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "rng": torch.get_rng_state()}
+
+    def load_state(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+
+
+def full_layout(layout: dict) -> dict:
+    """The layout with every key: dp, tp, pp, cp (1), zero (0), microbatches (1), schedule
+    ("1f1b"), sequence_parallel (False)."""
+    out = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "zero": 0, "microbatches": 1,
+           "schedule": "1f1b", "sequence_parallel": False}
+    unknown = set(layout) - set(out)
+    if unknown:
+        raise ValueError(f"unknown layout keys {sorted(unknown)}; expected {sorted(out)}")
+    out.update(layout)
+    if out["zero"] not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0, 1, 2 or 3, got {out['zero']!r}")
+    if out["schedule"] not in ("gpipe", "1f1b"):
+        raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {out['schedule']!r}")
+    return out
+
+
+def single_process_losses(config: GPTConfig, steps: int, batch_size: int, lr: float,
+                          seed: int, first_step: int = 0) -> list[float]:
+    """The reference: the dense GPT, AdamW, the whole global batch, one process."""
+    torch.manual_seed(seed)
+    model = GPT(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for step in range(first_step, first_step + steps):
+        x, y = get_batch(step, batch_size, vocab_size=config.vocab_size, seq_len=config.seq_len,
+                         seed=seed)
+        opt.zero_grad(set_to_none=True)
+        loss = model.loss(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
