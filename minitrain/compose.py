@@ -28,8 +28,9 @@ from minitrain.data import get_batch
 from minitrain.ddp import DataParallel
 from minitrain.mesh import DeviceMesh, check_layout
 from minitrain.model import GPT, GPTConfig, lm_loss
+from minitrain.pipeline import PipelineStage
 from minitrain.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
-from minitrain.zero import ZeroDataParallel
+from minitrain.zero import ShardedOptimizer, ZeroDataParallel
 
 
 class ParallelGPT:
@@ -47,10 +48,14 @@ class ParallelGPT:
         lo = self.layout
         check_layout(config, lo["dp"], lo["tp"], lo["pp"], lo["cp"], config.seq_len,
                      batch_size, lo["microbatches"])
-        if lo["pp"] > 1 or lo["cp"] > 1:
+        if lo["cp"] > 1:
+            raise ValueError(f"cp={lo['cp']}: context parallelism (chapter 10) is not composed "
+                             "in this build; use cp=1")
+        if lo["pp"] > 1 and lo["zero"] > 1:
             raise ValueError(
-                f"this build composes DP × TP (+SP) and ZeRO; pp={lo['pp']}, cp={lo['cp']} need "
-                "chapters 7 and 10 (minitrain.pipeline, minitrain.context_parallel)")
+                f"zero={lo['zero']} with pp={lo['pp']}: ZeRO-2/3 shard gradients and parameters "
+                "that every micro-batch of a pipeline needs again (Megatron-LM and DeepSpeed do "
+                "not combine them either); use --zero 0 or 1 with a pipeline")
         self.mesh = mesh or DeviceMesh(dp=lo["dp"], tp=lo["tp"], pp=lo["pp"], cp=lo["cp"])
         self.dp_group, self.tp_group = self.mesh.group("dp"), self.mesh.group("tp")
         torch.manual_seed(seed)  # the same dense model on every rank
@@ -58,7 +63,17 @@ class ParallelGPT:
         if lo["tp"] > 1:
             apply_tensor_parallel(model, self.tp_group, lo["sequence_parallel"], seed=seed)
         self.model = model
-        if lo["zero"] == 0:
+        self.stage = None
+        if lo["pp"] > 1:  # chapter 7: keep this stage's blocks, gradients averaged over dp
+            self.stage = PipelineStage(model, self.mesh.group("pp"))
+            params = [p for p in model.parameters() if p.requires_grad]
+            self.wrapped = self.stage
+            if lo["zero"] == 1:  # chapter 5's ZeRO-1 under the pipeline's averaged gradients
+                self.optimizer = ShardedOptimizer(params, torch.optim.AdamW,
+                                                  group=self.dp_group, lr=lr)
+            else:
+                self.optimizer = torch.optim.AdamW(params, lr=lr)
+        elif lo["zero"] == 0:
             self.wrapped = DataParallel(model, group=self.dp_group) if lo["dp"] > 1 else model
             self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
         else:
@@ -82,6 +97,11 @@ class ParallelGPT:
         x, y = self.local_batch(step)
         m = self.layout["microbatches"]
         self.optimizer.zero_grad(set_to_none=True)
+        if self.stage is not None:
+            dp = self.dp_group if self.layout["dp"] > 1 else None
+            loss = self.stage.train_step(x, y, self.layout["schedule"], m, dp_group=dp)
+            self.optimizer.step()
+            return self.reduce_loss(loss)
         total = 0.0
         chunks = list(zip(x.chunk(m), y.chunk(m)))
         for i, (xi, yi) in enumerate(chunks):
