@@ -63,6 +63,8 @@ READINESS_ORDER = (
 )
 TP_APPLY, TP_LAYERS = "minitrain/tensor_parallel/apply.py", "minitrain/tensor_parallel/layers.py"
 TP_TESTS = "tests/test_tensor_parallel.py"
+CP_TESTS = "tests/test_context_parallel.py"
+CP_GRADED = "tests/grading/test_ch10_context_parallel.py"
 MUTATIONS = [
     Mutation(
         "no_sync no-op",
@@ -250,6 +252,50 @@ MUTATIONS = [
             f"{TP_TESTS}::test_forward_loss_and_every_gradient_match_dense[tp-4]",
             "tests/grading/test_ch06_tensor_parallel.py::test_f_is_identity_forward_and_all_reduce_backward",
         ],
+    ),
+    Mutation(
+        "context parallel: merge without max-subtraction (exp of a logsumexp overflows)",
+        "minitrain/context_parallel/merge.py",
+        "    m = torch.maximum(lse_a, lse_b)\n",
+        "    m = torch.zeros_like(lse_a)\n",
+        [f"{CP_GRADED}::test_merge_equals_attention_over_the_union"],
+    ),
+    Mutation(
+        "context parallel: merge keeps the max as the logsumexp",
+        "minitrain/context_parallel/merge.py",
+        "    lse = m + torch.log(total)\n",
+        "    lse = m\n",
+        [f"{CP_TESTS}::test_outputs_and_gradients_equal_full_attention[2]",
+         f"{CP_GRADED}::test_merge_equals_attention_over_the_union"],
+    ),
+    Mutation(
+        "context parallel: zigzag second chunk index wrong (P + r, not 2P - 1 - r)",
+        "minitrain/context_parallel/layout.py",
+        "return [rank, 2 * world_size - 1 - rank]",
+        "return [rank, world_size + rank]",
+        [f"{CP_TESTS}::test_outputs_and_gradients_equal_full_attention",
+         f"{CP_TESTS}::test_bytes_and_forward_flops_equal_the_formulas"],
+    ),
+    Mutation(
+        "context parallel: dK/dV not sent home (the last block's kept)",
+        "minitrain/context_parallel/ring.py",
+        "    home = pending.wait()",
+        "    pending.wait()\n    home = dkv",
+        [f"{CP_TESTS}::test_outputs_and_gradients_equal_full_attention"],
+    ),
+    Mutation(
+        "context parallel: future key blocks not skipped under the causal mask",
+        "minitrain/context_parallel/ring.py",
+        "            if causal and kc > qc:\n                continue\n",
+        "",
+        [f"{CP_TESTS}::test_outputs_and_gradients_equal_full_attention[2]"],
+    ),
+    Mutation(
+        "context parallel: positions not offset per shard",
+        "minitrain/context_parallel/model.py",
+        "pos = shard_positions(seq_len, self.rank, self.world_size, self.layout).to(idx.device)",
+        "pos = torch.arange(idx.shape[1], device=idx.device)",
+        [f"{CP_TESTS}::test_gpt_loss_curve_equals_one_process[2-zigzag-50]"],
     ),
 ]
 

@@ -1,0 +1,83 @@
+"""The course's GPT trained with its sequence split over a context-parallel group.
+
+Used by notebooks/10_context_parallel.ipynb. Everything in the GPT except attention works
+token by token, so with the sequence cut into shards (``layout.shard_sequence``) each rank
+runs the embeddings, LayerNorms, MLPs and the head on its own tokens; only attention needs
+the other ranks' keys and values, and ring attention brings them. Three things change:
+
+1. positions: rank r's tokens are not at positions 0..n-1 but where its chunks sit in the
+   sequence (``shard_positions``), so the position embedding is looked up there;
+2. the loss: each rank's mean over its n tokens; the sequence's mean is their average
+   over the group (every shard has the same number of tokens);
+3. gradients: each rank's backward sends dK, dV home, so rank r's parameter gradients
+   already include every rank's loss through attention — but only through *its* tokens'
+   activations. The full gradient is the sum over ranks, divided by P for the mean loss:
+   an all-reduce average of every parameter's gradient (as data parallelism does, over the
+   same group; Megatron-LM folds CP into its data-parallel gradient reduction).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minitrain.context_parallel.layout import shard_positions, shard_sequence
+from minitrain.context_parallel.ring import ring_attention
+from minitrain.model import GPT, dropout, lm_loss, set_attention_fn
+
+
+class ContextParallelGPT(nn.Module):
+    """Wraps a ``GPT`` (``.module``) so it runs on this rank's shard of each sequence.
+
+    ``forward(idx_shard)`` gives this rank's logits; ``loss(idx_shard, targets_shard)``
+    this rank's mean loss (backward it on every rank); ``average_loss(loss)`` the group's
+    mean (the whole sequence's loss); ``finish_gradient_synchronization()`` averages every
+    parameter's gradient over the group (call it after backward, before the optimizer).
+    ``shard(x)`` cuts a whole ``(batch, N)`` tensor into this rank's shard.
+    Attention dropout is not supported (ring attention has no dropout mask).
+    """
+
+    def __init__(self, module: GPT, group=None, layout: str = "contiguous"):
+        super().__init__()
+        self.module, self.group, self.layout = module, group, layout
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        for p in module.parameters():  # every rank starts from rank 0's weights
+            dist.broadcast(p.data, dist.get_global_rank(group, 0) if group else 0, group=group)
+
+        def attention(q, k, v, causal=True, dropout_p=0.0, training=False):
+            if dropout_p > 0 and training:
+                raise ValueError(f"ring attention has no attention dropout (dropout_p={dropout_p})")
+            return ring_attention(q, k, v, causal=causal, group=group, layout=layout)
+
+        set_attention_fn(module, attention)
+
+    def shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of a ``(batch, N)`` tensor (the sequence is dimension -1)."""
+        return shard_sequence(x.unsqueeze(-1), self.group, self.layout).squeeze(-1)
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        seq_len = idx.shape[1] * self.world_size
+        if seq_len > m.config.seq_len:
+            raise ValueError(f"sequence length {seq_len} exceeds config.seq_len={m.config.seq_len}")
+        pos = shard_positions(seq_len, self.rank, self.world_size, self.layout).to(idx.device)
+        x = m.tok_emb(idx) + m.pos_emb(pos)
+        return dropout(x, m.config.dropout, self.training)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.module.logits(self.module.run_blocks(self.embed(idx)))
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return lm_loss(self(idx), targets)
+
+    def average_loss(self, loss: torch.Tensor) -> float:
+        value = loss.detach().clone()
+        dist.all_reduce(value, group=self.group)
+        return value.item() / self.world_size
+
+    def finish_gradient_synchronization(self) -> None:
+        for p in self.module.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self.group)
+                p.grad /= self.world_size

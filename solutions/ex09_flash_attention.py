@@ -1,0 +1,88 @@
+"""Chapter 9 solutions — generated from minitrain.flash_attention.tiles.
+
+The worked answers. Look one up when you are stuck; the library has them too.
+"""
+
+from __future__ import annotations
+
+import math
+import torch
+from minitrain.flash_attention.tiles import BLOCK_K, causal_mask, visible_key_blocks
+
+
+def online_softmax_update(m, row_sum, acc, s, v):
+    """Fold one tile of scores into the running softmax of its rows (Dao 2023, Alg. 1 l. 8-10).
+
+    m, row_sum: (..., bq) running max and running sum of exp(score - m); acc: (..., bq, D) the
+    running sum of exp(score - m) @ v; s: (..., bq, bk) this tile's scaled scores (fp32,
+    masked entries -inf); v: (..., bk, D). Returns the new (m, row_sum, acc). When the max grows,
+    everything accumulated so far was relative to the old max and is rescaled by
+    exp(m_old - m_new).
+    """
+    ### BEGIN SOLUTION
+    # HINT: m_new = max(m, row max of s); p = exp(s - m_new); alpha = exp(m - m_new)
+    # HINT: row_sum and acc are sums relative to the old max: multiply them by alpha before adding
+    m_new = torch.maximum(m, s.amax(dim=-1))
+    p = torch.exp(s - m_new[..., None])
+    alpha = torch.exp(m - m_new)  # exp(-inf) = 0 on the first tile: nothing to rescale yet
+    sum_new = alpha * row_sum + p.sum(dim=-1)
+    acc_new = alpha[..., None] * acc + (p.to(v.dtype) @ v).float()
+    return m_new, sum_new, acc_new
+    ### END SOLUTION
+
+
+def forward_query_block(q_i, k, v, i0: int, causal: bool, block_k: int = BLOCK_K, log=None):
+    """One query block's output and logsumexp: loop over key blocks (FA-2's inner loop; on a
+    GPU one program per query block runs this). q_i: (..., bq, D) starting at row i0;
+    k, v: (..., Nk, D). Returns out_i (..., bq, D) in fp32 and lse_i (..., bq).
+
+    Start from m = -inf, row_sum = 0, acc = 0; for each visible key block compute the scaled
+    scores q_i k_j^T / sqrt(D) (fp32), put -inf where ``causal_mask`` says, fold them in with
+    ``online_softmax_update``; at the end out_i = acc / row_sum and lse_i = m + log(row_sum).
+    """
+    scale = 1.0 / math.sqrt(q_i.shape[-1])
+    i1 = i0 + q_i.shape[-2]
+    ### BEGIN SOLUTION
+    # HINT: visible_key_blocks(i0, i1, k, block_k, causal, log) gives the tiles
+    # HINT: the mask of a tile comes from causal_mask(i0, i1, j0, j1); fill those scores with -inf
+    m = torch.full(q_i.shape[:-1], -math.inf, device=q_i.device)
+    row_sum = torch.zeros(q_i.shape[:-1], device=q_i.device)
+    acc = torch.zeros(q_i.shape, device=q_i.device)
+    for j0, j1 in visible_key_blocks(i0, i1, k, block_k, causal, log):
+        k_j, v_j = k[..., j0:j1, :], v[..., j0:j1, :]
+        s = (q_i @ k_j.transpose(-2, -1)).float() * scale
+        mask = causal_mask(i0, i1, j0, j1, q_i.device) if causal else None
+        if mask is not None:
+            s = s.masked_fill(mask, -math.inf)
+        m, row_sum, acc = online_softmax_update(m, row_sum, acc, s, v_j)
+    return acc / row_sum[..., None], m + torch.log(row_sum)
+    ### END SOLUTION
+
+
+def block_backward(q_i, k_j, v_j, do_i, lse_i, delta_i, mask=None):
+    """Gradient contributions of one (query block i, key block j) tile (Dao 2023, Alg. 2
+    lines 11-16), recomputing the probabilities from the saved logsumexp:
+
+        P = exp(q_i k_j^T / sqrt(D) - L_i)     (0 where ``mask`` is True)
+        dV_j = P^T dO_i,   dP = dO_i V_j^T,   dS = P * (dP - D_i)
+        dQ_i = dS k_j / sqrt(D),   dK_j = dS^T q_i / sqrt(D)
+
+    with D_i = rowsum(dO_i * O_i) (``delta_i``). Returns (dq_i, dk_j, dv_j) in fp32, shaped
+    like q_i, k_j, v_j broadcast against each other (a GQA group's heads not yet summed).
+    """
+    scale = 1.0 / math.sqrt(q_i.shape[-1])
+    ### BEGIN SOLUTION
+    # HINT: dS = P * (dP - D_i) is the softmax's backward: D_i = sum_j P_ij dP_ij
+    s = (q_i @ k_j.transpose(-2, -1)).float() * scale
+    p = torch.exp(s - lse_i[..., None])
+    if mask is not None:
+        p = p.masked_fill(mask, 0.0)
+    dv_j = (p.to(do_i.dtype).transpose(-2, -1) @ do_i).float()
+    dp = (do_i @ v_j.transpose(-2, -1)).float()
+    ds = p * (dp - delta_i[..., None])
+    dq_i = (ds.to(k_j.dtype) @ k_j).float() * scale
+    dk_j = (ds.to(q_i.dtype).transpose(-2, -1) @ q_i).float() * scale
+    return dq_i, dk_j, dv_j
+    ### END SOLUTION
+
+# minitrain-exercises-hash: d22c33a50d2cbcdd

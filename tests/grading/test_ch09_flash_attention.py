@@ -1,0 +1,125 @@
+"""Graded tests of chapter 9: your online-softmax update, your tiled forward of one query
+block and your backward of one tile, each against plain softmax attention written out (and
+torch's scaled_dot_product_attention). fp32 tolerance 2e-5: sums in another order."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minitrain.flash_attention import tiles
+
+TOL = dict(atol=2e-5, rtol=1e-5)
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _softmax_attention(q, k, v, causal):  # the reference: scores, probabilities, output, lse
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), -math.inf)
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+def _fold(tiles_of_s, v_tiles):
+    """Your update applied tile after tile, starting from m = -inf, sum 0, acc 0."""
+    rows = tiles_of_s[0].shape[:-1]
+    m, row_sum = torch.full(rows, -math.inf), torch.zeros(rows)
+    acc = torch.zeros(*rows, v_tiles[0].shape[-1])
+    for s, v in zip(tiles_of_s, v_tiles):
+        m, row_sum, acc = tiles.online_softmax_update(m, row_sum, acc, s, v)
+    return m, row_sum, acc
+
+
+@pytest.mark.exercise("online_softmax_update", points=1)
+def test_one_tile_is_the_plain_softmax():
+    s, v = _randn(5, 7, seed=1), _randn(7, 3, seed=2)
+    m, row_sum, acc = _fold([s], [v])
+    torch.testing.assert_close(m, s.amax(-1), **TOL, msg="m after one tile should be the row max of s")
+    torch.testing.assert_close(acc / row_sum[:, None], torch.softmax(s, -1) @ v, **TOL)
+
+
+@pytest.mark.exercise("online_softmax_update", points=2)
+def test_a_larger_max_later_rescales_what_was_summed():
+    # the second tile's scores are far larger: the sum and acc of the first tile must be
+    # rescaled by exp(m_old - m_new), or the first tile counts far too much
+    s1, s2 = _randn(4, 6, seed=3), _randn(4, 5, seed=4) + 6.0
+    v1, v2 = _randn(6, 3, seed=5), _randn(5, 3, seed=6)
+    m, row_sum, acc = _fold([s1, s2], [v1, v2])
+    s, v = torch.cat([s1, s2], -1), torch.cat([v1, v2], 0)
+    torch.testing.assert_close(m + torch.log(row_sum), torch.logsumexp(s, -1), **TOL,
+                               msg="m + log(row_sum) should be the logsumexp of both tiles")
+    torch.testing.assert_close(acc / row_sum[:, None], torch.softmax(s, -1) @ v, **TOL,
+                               msg="acc / row_sum should be softmax(both tiles) @ v")
+
+
+@pytest.mark.exercise("online_softmax_update", points=1)
+def test_masked_entries_count_for_nothing():
+    s, v = _randn(3, 4, seed=7), _randn(4, 2, seed=8)
+    s_masked = s.clone()
+    s_masked[:, 2:] = -math.inf
+    m, row_sum, acc = _fold([s_masked], [v])
+    torch.testing.assert_close(acc / row_sum[:, None], torch.softmax(s[:, :2], -1) @ v[:2], **TOL)
+
+
+@pytest.mark.exercise("forward_query_block", points=2)
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_of_a_query_block_matches_softmax_attention(causal):
+    q, k, v = _randn(2, 21, 8, seed=9), _randn(2, 21, 8, seed=10), _randn(2, 21, 8, seed=11)
+    out_ref, lse_ref = _softmax_attention(q, k, v, causal)
+    for i0, i1 in [(0, 7), (7, 14), (14, 21)]:  # key blocks of 5: several tiles, a short last one
+        out, lse = tiles.forward_query_block(q[:, i0:i1], k, v, i0, causal, 5)
+        torch.testing.assert_close(out, out_ref[:, i0:i1], **TOL,
+                                   msg=lambda m, a=i0: f"output of the block starting at row {a}: {m}")
+        torch.testing.assert_close(lse, lse_ref[:, i0:i1], **TOL,
+                                   msg=lambda m, a=i0: f"logsumexp of the block starting at row {a}: {m}")
+
+
+@pytest.mark.exercise("forward_query_block", points=1)
+def test_causal_forward_visits_no_fully_masked_tile():
+    log = tiles.TileLog()
+    q, k, v = _randn(1, 8, 4, seed=12), _randn(1, 32, 4, seed=13), _randn(1, 32, 4, seed=14)
+    tiles.forward_query_block(q, k, v, 0, True, 8, log)
+    assert (log.tiles, log.skipped) == (1, 3), (
+        f"rows 0-7 causal with key blocks of 8 need 1 tile and skip 3; your loop visited "
+        f"{log.tiles} and skipped {log.skipped} (use visible_key_blocks)")
+
+
+@pytest.mark.exercise("block_backward", points=2)
+def test_backward_of_one_whole_tile_matches_autograd():
+    q, k, v = (_randn(2, 6, 4, seed=s).requires_grad_() for s in (15, 16, 17))
+    do = _randn(2, 6, 4, seed=18)
+    out = F.scaled_dot_product_attention(q, k, v)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    lse = _softmax_attention(q, k, v, False)[1].detach()
+    delta = (do * out.detach()).sum(-1)
+    ours = tiles.block_backward(q.detach(), k.detach(), v.detach(), do, lse, delta)
+    for name, a, b in zip(("dq", "dk", "dv"), ours, (dq, dk, dv)):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=name: f"{n} of the one tile: {m}")
+
+
+@pytest.mark.exercise("block_backward", points=2)
+def test_backward_tiles_add_up_with_a_causal_mask():
+    q, k, v = (_randn(1, 8, 4, seed=s).requires_grad_() for s in (19, 20, 21))
+    do = _randn(1, 8, 4, seed=22)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), do)
+    lse = _softmax_attention(q, k, v, True)[1].detach()
+    delta = (do * out.detach()).sum(-1)
+    got_dq, got_dk, got_dv = torch.zeros_like(dq), torch.zeros_like(dk), torch.zeros_like(dv)
+    for i0 in (0, 4):
+        for j0 in (0, 4):
+            if j0 > i0 + 3:
+                continue  # fully masked tile
+            mask = tiles.causal_mask(i0, i0 + 4, j0, j0 + 4)
+            a, b, c = tiles.block_backward(q.detach()[:, i0:i0 + 4], k.detach()[:, j0:j0 + 4],
+                                           v.detach()[:, j0:j0 + 4], do[:, i0:i0 + 4],
+                                           lse[:, i0:i0 + 4], delta[:, i0:i0 + 4], mask)
+            got_dq[:, i0:i0 + 4] += a
+            got_dk[:, j0:j0 + 4] += b
+            got_dv[:, j0:j0 + 4] += c
+    for name, a, b in zip(("dq", "dk", "dv"), (got_dq, got_dk, got_dv), (dq, dk, dv)):
+        torch.testing.assert_close(a, b, **TOL, msg=lambda m, n=name: f"{n} summed over the tiles: {m}")

@@ -1,0 +1,117 @@
+"""Graded tests of chapter 10: your merge of two partial attention results by their
+logsumexp, and your forward ring step, each against attention computed in plain torch on
+the whole sequence (softmax and logsumexp, or torch's scaled_dot_product_attention).
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from minitrain.launch import launch
+
+ATOL = 2e-5  # fp32 softmax summed in pieces: a few rounding steps on values of order 1
+
+
+def _partial(q, k, v):
+    """Attention of q over k, v and its logsumexp, in plain torch (the reference)."""
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+def _inputs(scale):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 3, 5, 8, generator=g) * scale
+    k, v = torch.randn(2, 3, 12, 8, generator=g), torch.randn(2, 3, 12, 8, generator=g)
+    return q, k, v
+
+
+@pytest.mark.exercise("merge_attention", points=2)
+@pytest.mark.parametrize("scale", [1.0, 300.0], ids=["ordinary scores", "scores near 1000"])
+def test_merge_equals_attention_over_the_union(scale):
+    from minitrain.context_parallel.merge import merge_attention
+
+    q, k, v = _inputs(scale)
+    want_out, want_lse = _partial(q, k, v)
+    a, b = _partial(q, k[..., :7, :], v[..., :7, :]), _partial(q, k[..., 7:, :], v[..., 7:, :])
+    out, lse = merge_attention(a[0], a[1], b[0], b[1])
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all(), (
+        f"merge_attention gave inf or nan with logsumexps up to {float(want_lse.max()):.0f}: "
+        "exp of that overflows float32 — subtract the larger logsumexp before exponentiating")
+    err_out, err_lse = (out - want_out).abs().max().item(), (lse - want_lse).abs().max().item()
+    assert err_out <= ATOL * scale, f"merged output differs from attention over all keys by {err_out:.3g}"
+    assert err_lse <= ATOL * scale, f"merged logsumexp differs from the full one by {err_lse:.3g}"
+    swapped, _ = merge_attention(b[0], b[1], a[0], a[1])
+    assert (swapped - want_out).abs().max().item() <= ATOL * scale, "merging B then A must give the same"
+
+
+@pytest.mark.exercise("merge_attention", points=1)
+def test_merge_with_an_empty_side():
+    from minitrain.context_parallel.merge import merge_attention
+
+    q, k, v = _inputs(1.0)
+    out_b, lse_b = _partial(q, k, v)
+    empty_out, empty_lse = torch.zeros_like(out_b), torch.full_like(lse_b, -math.inf)
+    out, lse = merge_attention(empty_out, empty_lse, out_b, lse_b)
+    err = (out - out_b).abs().max().item()
+    assert err <= ATOL and (lse - lse_b).abs().max().item() <= ATOL, (
+        f"merging with an empty key set (lse = -inf) must return the other side; output off by {err:.3g}")
+    out, lse = merge_attention(empty_out, empty_lse, empty_out, empty_lse)
+    assert torch.equal(out, empty_out), f"two empty sides must give output 0, got {out.flatten()[:3].tolist()}"
+    assert torch.isneginf(lse).all(), f"two empty sides must give lse -inf, got {lse.flatten()[:3].tolist()}"
+
+
+def _ring_case(layout, causal):
+    from minitrain.context_parallel import ring, shard_sequence
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    events, sent = [], []
+    real_isend, real_forward = dist.isend, ring.flash_attention_forward
+
+    def isend(tensor, *args, **kwargs):
+        events.append("send")
+        sent.append(tensor.numel() * tensor.element_size())
+        return real_isend(tensor, *args, **kwargs)
+
+    def forward(*args, **kwargs):
+        events.append("compute")
+        return real_forward(*args, **kwargs)
+
+    g = torch.Generator().manual_seed(11)
+    q, k, v, do = (torch.randn(2, 2, 24, 8, generator=g) for _ in range(4))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*full, is_causal=causal)
+    ref.backward(do)
+    shards = [shard_sequence(t, layout=layout).requires_grad_() for t in (q, k, v)]
+    dist.isend, ring.flash_attention_forward = isend, forward
+    try:
+        y = ring.ring_attention(*shards, causal=causal, layout=layout)
+    finally:
+        dist.isend, ring.flash_attention_forward = real_isend, real_forward
+    y.backward(shard_sequence(do, layout=layout))
+    errors = [(y.detach() - shard_sequence(ref.detach(), layout=layout)).abs().max().item()]
+    errors += [(s.grad - shard_sequence(f.grad, layout=layout)).abs().max().item()
+               for s, f in zip(shards, full)]
+    return errors, events, sum(sent), 2 * shards[0].numel() * 4
+
+
+@pytest.mark.exercise("ring_step", points=3)
+@pytest.mark.parametrize("layout,causal", [("contiguous", False), ("contiguous", True),
+                                           ("zigzag", True)])
+def test_ring_attention_with_your_step_equals_full_attention(layout, causal):
+    world = 3
+    for rank, (errors, events, sent, kv_bytes) in enumerate(
+            launch(_ring_case, world, layout, causal, timeout=90)):
+        where = f"rank {rank} ({layout}, causal={causal}, 3 ranks)"
+        names = ("output", "dq", "dk", "dv")
+        bad = {n: round(e, 6) for n, e in zip(names, errors) if not e <= ATOL}
+        assert not bad, f"{where}: ring attention differs from attention on the whole sequence: {bad}"
+        assert sent == (world - 1) * kv_bytes, (
+            f"{where}: the forward sent {sent} bytes; K and V go once round the ring: "
+            f"{world - 1} sends of {kv_bytes} bytes (the last step sends nothing)")
+        first_compute = events.index("compute")
+        assert "send" in events[:first_compute], (
+            f"{where}: start sending the K/V block before computing on it, so the transfer "
+            f"overlaps the compute (order seen: {events[:6]})")
