@@ -7,7 +7,9 @@ Each technique wraps the model from the inside out, each over its own mesh group
    (chapter 6, ``apply_tensor_parallel``: Shoeybi et al. 2019; Korthikanti et al. 2022);
 2. pipeline parallelism gives each ``pp`` coordinate a contiguous share of the blocks and
    runs a GPipe or 1F1B schedule of micro-batches (chapter 7, ``minitrain.pipeline``);
-3. data parallelism averages gradients over ``mesh.group("dp")`` (chapter 4's
+3. context parallelism gives each ``cp`` rank a zigzag shard of every sequence and ring
+   attention over ``mesh.group("cp")`` (chapter 10, ``ContextParallelGPT``; Liu et al. 2023);
+4. data parallelism averages gradients over ``mesh.group("dp_cp")`` (chapter 4's
    ``DataParallel``), or shards optimizer state, gradients, parameters (chapter 5's
    ``ZeroDataParallel``, stages 1–3: Rajbhandari et al. 2020).
 
@@ -24,6 +26,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from minitrain.context_parallel import ContextParallelGPT
 from minitrain.data import get_batch
 from minitrain.ddp import DataParallel
 from minitrain.mesh import DeviceMesh, check_layout
@@ -48,22 +51,29 @@ class ParallelGPT:
         lo = self.layout
         check_layout(config, lo["dp"], lo["tp"], lo["pp"], lo["cp"], config.seq_len,
                      batch_size, lo["microbatches"])
-        if lo["cp"] > 1:
-            raise ValueError(f"cp={lo['cp']}: context parallelism (chapter 10) is not composed "
-                             "in this build; use cp=1")
+        if lo["cp"] > 1 and lo["sequence_parallel"]:
+            raise ValueError(f"cp={lo['cp']} with sequence parallelism: both cut the sequence; "
+                             "choose one")
         if lo["pp"] > 1 and lo["zero"] > 1:
             raise ValueError(
                 f"zero={lo['zero']} with pp={lo['pp']}: ZeRO-2/3 shard gradients and parameters "
                 "that every micro-batch of a pipeline needs again (Megatron-LM and DeepSpeed do "
                 "not combine them either); use --zero 0 or 1 with a pipeline")
         self.mesh = mesh or DeviceMesh(dp=lo["dp"], tp=lo["tp"], pp=lo["pp"], cp=lo["cp"])
-        self.dp_group, self.tp_group = self.mesh.group("dp"), self.mesh.group("tp")
+        # gradients are averaged over DP and CP together (each CP rank's loss covers its
+        # tokens only; Megatron-LM folds CP into the data-parallel reduction the same way)
+        self.dp_group, self.tp_group = self.mesh.group("dp_cp"), self.mesh.group("tp")
+        self.replicas = lo["dp"] * lo["cp"]
         torch.manual_seed(seed)  # the same dense model on every rank
         model = GPT(config)
         if lo["tp"] > 1:
             apply_tensor_parallel(model, self.tp_group, lo["sequence_parallel"], seed=seed)
-        self.model = model
-        self.stage = None
+        self.model, self.stage, self.context = model, None, None
+        if lo["cp"] > 1:  # chapter 10: ring attention, this rank's zigzag shard of each sequence
+            self.context = ContextParallelGPT(model, self.mesh.group("cp"), layout="zigzag")
+            # the model's own embed (called by TP's forward and the pipeline's first stage)
+            # must look positions up where this rank's tokens sit: use chapter 10's
+            model.embed = self.context.embed
         if lo["pp"] > 1:  # chapter 7: keep this stage's blocks, gradients averaged over dp
             self.stage = PipelineStage(model, self.mesh.group("pp"))
             params = [p for p in model.parameters() if p.requires_grad]
@@ -74,7 +84,8 @@ class ParallelGPT:
             else:
                 self.optimizer = torch.optim.AdamW(params, lr=lr)
         elif lo["zero"] == 0:
-            self.wrapped = DataParallel(model, group=self.dp_group) if lo["dp"] > 1 else model
+            self.wrapped = DataParallel(model, group=self.dp_group) if self.replicas > 1 \
+                else model
             self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
         else:
             self.wrapped = ZeroDataParallel(model, torch.optim.AdamW, lo["zero"],
@@ -89,8 +100,11 @@ class ParallelGPT:
     def local_batch(self, step: int):
         """This data-parallel rank's rows of the global batch of ``step``."""
         c = self.config
-        return get_batch(step, self.batch_size, self.mesh.coords().dp, self.layout["dp"],
+        x, y = get_batch(step, self.batch_size, self.mesh.coords().dp, self.layout["dp"],
                          vocab_size=c.vocab_size, seq_len=c.seq_len, seed=self.seed)
+        if self.context is not None:  # and this context-parallel rank's tokens of it
+            x, y = self.context.shard(x), self.context.shard(y)
+        return x, y
 
     def step(self, step: int) -> float:
         """One optimizer step on the global batch of ``step``; the global mean loss."""
@@ -98,7 +112,7 @@ class ParallelGPT:
         m = self.layout["microbatches"]
         self.optimizer.zero_grad(set_to_none=True)
         if self.stage is not None:
-            dp = self.dp_group if self.layout["dp"] > 1 else None
+            dp = self.dp_group if self.replicas > 1 else None
             loss = self.stage.train_step(x, y, self.layout["schedule"], m, dp_group=dp)
             self.optimizer.step()
             return self.reduce_loss(loss)
@@ -117,11 +131,12 @@ class ParallelGPT:
         return self.reduce_loss(total)
 
     def reduce_loss(self, local: torch.Tensor) -> float:
-        """The mean over data-parallel ranks (TP ranks already agree): one fp32 all-reduce."""
+        """The mean over data- and context-parallel ranks (TP ranks already agree): one fp32
+        all-reduce (every rank holds as many tokens)."""
         t = local.detach().reshape(1).clone()
-        if self.layout["dp"] > 1:
+        if self.replicas > 1:
             dist.all_reduce(t, group=self.dp_group)
-            t /= self.layout["dp"]
+            t /= self.replicas
         return t.item()
 
     def state(self) -> dict:

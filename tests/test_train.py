@@ -119,7 +119,8 @@ def _run_layouts(layouts, steps):
 
 
 L8 = [dict(dp=2, tp=2, pp=2, microbatches=2), dict(dp=4, pp=2, microbatches=2),
-      dict(dp=2, tp=2, pp=2, microbatches=2, zero=1, schedule="gpipe")]
+      dict(dp=2, tp=2, pp=2, microbatches=2, zero=1, schedule="gpipe"),
+      dict(tp=2, pp=2, cp=2, microbatches=2)]
 L4 = [dict(dp=2, tp=2), dict(dp=2, tp=2, sequence_parallel=True, microbatches=2)]
 L2 = [dict(dp=2), dict(tp=2), dict(pp=2, microbatches=4), dict(dp=2, zero=1)]
 
@@ -181,8 +182,9 @@ def _expected_counts(layout, coords):
 
 
 # SP's collectives are chapter 6's own tests; ZeroDataParallel (ZeRO without a pipeline)
-# counts its reduce-scatters and gathers in chapter 5's tests
-COUNTED = [lo for lo in ALL if not lo.get("sequence_parallel")
+# counts its reduce-scatters and gathers in chapter 5's tests; ring attention's sends are
+# counted by chapter 10's tests
+COUNTED = [lo for lo in ALL if not lo.get("sequence_parallel") and not lo.get("cp")
            and not (lo.get("zero") and lo.get("pp", 1) == 1)]
 
 
@@ -231,12 +233,14 @@ def test_planner_memory_equals_measured(runs, layout):
     for rank in ranks:
         stage = rank["coords"].pp
         n = params_per_rank(CFG, lo.tp, lo.pp, stage)
-        want = memory_formula(n, lo.dp, lo.zero)
+        want = memory_formula(n, lo.dp * lo.cp, lo.zero)
         for part in ("params", "grads"):
             assert rank["states"][part] == want[part], (layout, part, rank["states"], want)
         # ZeRO-1 partitions whole tensors: within the largest one of the ideal 1/N share
         slack = 8 * rank["largest"] if lo.zero == 1 else 0
         assert abs(rank["states"]["optimizer"] - want["optimizer"]) <= slack, (layout, rank["states"], want)
+        if lo.cp > 1:  # ring attention saves flash attention's tensors, not the s×s scores:
+            continue  # the planner's CP activations are an estimate (docs/ch11)
         predicted = activation_bytes(CFG, lo, CFG.seq_len, BATCH, stage)
         measured = rank["activations"]
         tolerance = 0 if lo.pp == 1 else 0.005 * predicted  # pipelines: see docs/ch11
@@ -304,14 +308,14 @@ def _torchrun(args, train_args):
 
 
 def test_torchrun_one_node_and_two_nodes(tmp_path):
-    steps = ["--steps", "4", "--no-progress", "--dp", "2", "--tp", "2"]
+    steps = ["--steps", "4", "--no-progress", "--dp", "2"]
     ref = single_process_losses(CFG, 4, BATCH, LR, SEED)
-    one = _torchrun(["--standalone", "--nproc-per-node=4"],
+    one = _torchrun(["--standalone", "--nproc-per-node=2"],
                     [*steps, "--log-file", str(tmp_path / "one.jsonl")])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    common = ["--nnodes=2", "--nproc-per-node=2", "--rdzv-backend=c10d",
+    common = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d",
               f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=minitrain-train-test"]
     two = [_torchrun([*common, f"--node-rank={n}"],
                      [*steps, "--log-file", str(tmp_path / f"two{n}.jsonl")]) for n in (0, 1)]
