@@ -138,7 +138,9 @@ def memory_per_device(config: GPTConfig, layout: Layout, seq_len: int, global_ba
     """Bytes per device of the fullest pipeline stage: params, grads, optimizer (ZeRO shards
     them over the DP × CP ranks), activations, and their total."""
     best = None
-    for stage in range(layout.pp):
+    # the first stage holds the embedding, the most blocks and (1F1B) the most micro-batches;
+    # the last the head and loss: one of the two is the fullest
+    for stage in sorted({0, layout.pp - 1}):
         n = params_per_rank(config, layout.tp, layout.pp, stage)
         states = memory_formula(n, layout.dp * layout.cp, layout.zero, precision)
         mem = {k: states[k] for k in ("params", "grads", "optimizer")}
