@@ -141,12 +141,25 @@ class ParallelGPT:
 
     def state(self) -> dict:
         """What a checkpoint must hold to continue bit-exactly: weights, optimizer, RNG."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "rng": torch.get_rng_state()}
+        out = {"model": self.model.state_dict(), "rng": torch.get_rng_state()}
+        if isinstance(self.wrapped, ZeroDataParallel):  # its shards and its inner optimizer
+            out["shards"] = [u.master.detach().clone() for u in self.wrapped.live_units()]
+            out["optimizer"] = self.wrapped.optimizer.state_dict()
+        else:
+            out["optimizer"] = self.optimizer.state_dict()
+        return out
 
     def load_state(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if isinstance(self.wrapped, ZeroDataParallel):
+            with torch.no_grad():
+                for u, saved in zip(self.wrapped.live_units(), state["shards"]):
+                    u.master.copy_(saved)
+                    u.shard.copy_(saved)
+            self.wrapped.optimizer.load_state_dict(state["optimizer"])
+            self.wrapped.refresh_from_shards()  # the module's parameters from the shards
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
 
 
