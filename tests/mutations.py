@@ -297,6 +297,41 @@ MUTATIONS = [
         "pos = torch.arange(idx.shape[1], device=idx.device)",
         [f"{CP_TESTS}::test_gpt_loss_curve_equals_one_process[2-zigzag-50]"],
     ),
+    Mutation(
+        "mesh: pipeline the fastest axis (TP ranks not adjacent)",
+        "minitrain/mesh.py",
+        "    for axis in reversed(AXES):  # tp, cp, dp, pp\n",
+        "    for axis in AXES:\n",
+        ["tests/test_mesh.py::test_coordinates_enumerate_the_grid_tp_fastest_pp_slowest[{'dp': 2, 'tp': 2, 'pp': 2}]"],
+    ),
+    Mutation(
+        "compose: logged loss summed, not averaged, over data-parallel ranks",
+        "minitrain/compose.py",
+        "            t /= self.replicas",
+        "            t /= 1",
+        ["tests/test_train.py::test_loss_curve_equals_the_single_process[{'dp': 2}]"],
+    ),
+    Mutation(
+        "compose: gradients averaged over DP only, not over DP x CP",
+        "minitrain/compose.py",
+        'self.mesh.group("dp_cp"), self.mesh.group("tp")',
+        'self.mesh.group("dp"), self.mesh.group("tp")',
+        ["tests/test_train.py::test_loss_curve_equals_the_single_process[{'tp': 2, 'pp': 2, 'cp': 2, 'microbatches': 2}]"],
+    ),
+    Mutation(
+        "compose: ZeRO optimizer state not restored on resume",
+        "minitrain/compose.py",
+        '            self.wrapped.optimizer.load_state_dict(state["optimizer"])\n',
+        "            pass\n",
+        ["tests/test_train.py::test_command_logs_and_resumes_bit_exactly[dp2-zero2]"],
+    ),
+    Mutation(
+        "planner: a 1F1B stage holds all m micro-batches",
+        "minitrain/planner.py",
+        "    return min(layout.microbatches, layout.pp - stage)",
+        "    return layout.microbatches",
+        ["tests/test_train.py::test_planner_memory_equals_measured[{'pp': 2, 'microbatches': 4}]"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one
