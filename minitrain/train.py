@@ -135,6 +135,15 @@ def train_rank(args: dict) -> dict:
     return {"rank": rank, "coords": tuple(job.mesh.coords()), "records": records}
 
 
+def _in_this_process(args: dict) -> dict:
+    """One rank, here: a one-process gloo group on an in-memory store."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return train_rank(args)
+    finally:
+        dist.destroy_process_group()
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = vars(parser.parse_args(argv))
@@ -154,7 +163,10 @@ def main(argv=None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     try:
-        results = run(train_rank, world, args, timeout=args["timeout"])
+        if world == 1 and not running_under_torchrun():
+            results = [_in_this_process(args)]  # no worker: the progress bar is live
+        else:  # --nproc ranks print through the launcher, after they finish
+            results = run(train_rank, world, args, timeout=args["timeout"])
     except LaunchError as exc:
         print(f"minitrain.train: {exc}", file=sys.stderr)
         return 1

@@ -364,3 +364,11 @@ def test_ctrl_c_leaves_the_last_complete_checkpoint_intact(tmp_path):
                  str(ck), "--resume", "--no-progress",
                  "--log-file", str(tmp_path / "r.jsonl")]) == 0
     assert [r["step"] for r in _log(tmp_path / "r.jsonl")] == [step]
+
+
+def test_one_process_runs_here_and_equals_the_reference(tmp_path):
+    log = tmp_path / "one.jsonl"
+    assert main(["--steps", "3", "--no-progress", "--log-file", str(log)]) == 0
+    ref = single_process_losses(CFG, 3, BATCH, LR, SEED)
+    assert [r["loss"] for r in _log(log)] == ref  # the same model, batch and optimizer
+    assert not dist.is_initialized()  # the one-process group is gone again
