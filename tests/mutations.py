@@ -302,21 +302,21 @@ MUTATIONS = [
         "minitrain/mesh.py",
         "    for axis in reversed(AXES):  # tp, cp, dp, pp\n",
         "    for axis in AXES:\n",
-        ["tests/test_mesh.py::test_coordinates_enumerate_the_grid_tp_fastest_pp_slowest[{'dp': 2, 'tp': 2, 'pp': 2}]"],
+        ["tests/test_mesh.py::test_coordinates_enumerate_the_grid_tp_fastest_pp_slowest[dp2-tp2-pp2]"],
     ),
     Mutation(
         "compose: logged loss summed, not averaged, over data-parallel ranks",
         "minitrain/compose.py",
         "            t /= self.replicas",
         "            t /= 1",
-        ["tests/test_train.py::test_loss_curve_equals_the_single_process[{'dp': 2}]"],
+        ["tests/test_train.py::test_loss_curve_equals_the_single_process[dp2]"],
     ),
     Mutation(
         "compose: gradients averaged over DP only, not over DP x CP",
         "minitrain/compose.py",
         'self.mesh.group("dp_cp"), self.mesh.group("tp")',
         'self.mesh.group("dp"), self.mesh.group("tp")',
-        ["tests/test_train.py::test_loss_curve_equals_the_single_process[{'tp': 2, 'pp': 2, 'cp': 2, 'microbatches': 2}]"],
+        ["tests/test_train.py::test_loss_curve_equals_the_single_process[tp2-pp2-cp2-microbatches2]"],
     ),
     Mutation(
         "compose: ZeRO optimizer state not restored on resume",
@@ -330,7 +330,7 @@ MUTATIONS = [
         "minitrain/planner.py",
         "    return min(layout.microbatches, layout.pp - stage)",
         "    return layout.microbatches",
-        ["tests/test_train.py::test_planner_memory_equals_measured[{'pp': 2, 'microbatches': 4}]"],
+        ["tests/test_train.py::test_planner_memory_equals_measured[pp2-microbatches4]"],
     ),
 ]
 

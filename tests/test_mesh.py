@@ -14,11 +14,16 @@ LAYOUTS = [dict(dp=2, tp=2, pp=2), dict(tp=2, pp=2, cp=2), dict(dp=4, pp=2), dic
            dict(dp=1, tp=1, pp=1, cp=1), dict(dp=2, tp=4, pp=3, cp=2)]
 
 
+def layout_id(layout):
+    """A test id without spaces or quotes: dp2-tp2-pp2-microbatches2."""
+    return "-".join(f"{k}{v}" for k, v in layout.items()) or "single"
+
+
 def _full(layout):
     return {a: layout.get(a, 1) for a in ("dp", "tp", "pp", "cp")}
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
 def test_coordinates_enumerate_the_grid_tp_fastest_pp_slowest(layout):
     s = _full(layout)
     # reference: itertools.product enumerates the grid with the last axis fastest
@@ -29,7 +34,7 @@ def test_coordinates_enumerate_the_grid_tp_fastest_pp_slowest(layout):
         assert c["tp"] == c.tp == expected[3]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS, ids=str)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
 def test_groups_partition_the_world_and_cross_in_one_rank(layout):
     s = _full(layout)
     world = s["dp"] * s["tp"] * s["pp"] * s["cp"]

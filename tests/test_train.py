@@ -86,6 +86,11 @@ class CountCollectives:
         return out
 
 
+def layout_id(layout):
+    """A test id without spaces or quotes: dp2-tp2-pp2-microbatches2."""
+    return "-".join(f"{k}{v}" for k, v in layout.items()) or "single"
+
+
 def _run_layouts(layouts, steps):
     """On every rank: each layout for steps[i] steps; the losses, one step's collectives,
     the model-state bytes and the peak of saved activations."""
@@ -139,7 +144,7 @@ def runs():
 ALL = L8 + L4 + L2
 
 
-@pytest.mark.parametrize("layout", ALL, ids=str)
+@pytest.mark.parametrize("layout", ALL, ids=layout_id)
 def test_loss_curve_equals_the_single_process(runs, layout):
     _, ranks = runs[str(layout)]
     ref = runs["reference"]
@@ -188,7 +193,7 @@ COUNTED = [lo for lo in ALL if not lo.get("sequence_parallel") and not lo.get("c
            and not (lo.get("zero") and lo.get("pp", 1) == 1)]
 
 
-@pytest.mark.parametrize("layout", COUNTED, ids=str)
+@pytest.mark.parametrize("layout", COUNTED, ids=layout_id)
 def test_collectives_per_group_match_the_formulas(runs, layout):
     from minitrain.planner import params_per_rank
 
@@ -223,7 +228,7 @@ def _param_tensors():
     return len(list(GPT(CFG).parameters()))  # TP keeps every tensor (as a slice)
 
 
-@pytest.mark.parametrize("layout", ALL, ids=str)
+@pytest.mark.parametrize("layout", ALL, ids=layout_id)
 def test_planner_memory_equals_measured(runs, layout):
     from minitrain.planner import Layout, activation_bytes, params_per_rank
     from minitrain.zero import memory_formula
