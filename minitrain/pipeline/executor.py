@@ -84,13 +84,14 @@ class StageChunk(nn.Module):
             x = block(x)
         return x
 
+    def embed(self, idx):
+        """The first virtual stage's own input activation: the embedding of the tokens (made
+        to require grad if the embedding has no parameters, so B has something to reach)."""
+        x = self.gpt.embed(idx)
+        return x if x.requires_grad else x.requires_grad_()
+
     def forward(self, x):
-        gpt = self.gpt
-        sp = getattr(gpt, "sequence_parallel", False)  # dropout on sequence shards: own stream
-        with gpt.tp_rng.fork(x.device) if sp else nullcontext():
-            if self.first:
-                x = gpt.embed(x)
-            return self.run_blocks(x)
+        return self.run_blocks(x)
 
     def loss(self, h, targets):
         logits = self.gpt.logits(h)
@@ -201,15 +202,22 @@ class PipelineStage(nn.Module):
         return buffer
 
     # ------------------------------------------------------------------ compute
-    def forward(self, chunk: int, mb: int, x: torch.Tensor, state) -> torch.Tensor:
-        """Chunk ``chunk`` on ``x``; on the last virtual stage, the micro-batch's loss / m."""
+    def forward(self, chunk: int, mb: int, x: torch.Tensor, state):
+        """Chunk ``chunk`` on ``x`` (micro-batch ``mb``'s tokens on the first virtual stage).
+        Returns (the activation its blocks started from — ``x``, or the embedding on the
+        first virtual stage — and the output: on the last virtual stage, the loss / m)."""
+        module = self.chunks[chunk]
+        sp = getattr(self.model, "sequence_parallel", False)  # dropout on shards: own stream
         with trace.span(f"F{mb}" + (f".{chunk}" if self.num_chunks > 1 else ""), "compute"):
-            out = self.chunks[chunk](x)
-            if self.is_last(chunk):
-                loss = self.chunks[chunk].loss(out, state.targets[mb])
+            with self.model.tp_rng.fork(x.device) if sp else nullcontext():
+                if module.first:
+                    x = module.embed(x)
+                out = module(x)
+            if module.last:
+                loss = module.loss(out, state.targets[mb])
                 state.losses.append(loss.detach())
                 out = loss / state.num_microbatches  # the step's loss is the mean over m
-        return out
+        return x, out
 
     def backward(self, name: str, out, grad, inputs=None, retain_graph=False) -> None:
         """``torch.autograd.backward`` of ``out`` with upstream ``grad`` (None for the loss),
@@ -286,8 +294,8 @@ def run_action(stage: PipelineStage, action: tuple, state: StepState) -> None:
 
     - ``("F", mb[, c])``: the input is micro-batch ``mb``'s tokens on the first virtual stage,
       else the activation received from virtual stage ``v - 1`` (made a leaf that requires
-      grad, so backward yields its gradient); run ``stage.forward``; keep (input, output) in
-      ``state.saved``; send the output to virtual stage ``v + 1`` unless this is the last.
+      grad, so backward yields its gradient); ``stage.forward`` returns (input activation,
+      output); keep both in ``state.saved``; send the output to ``v + 1`` unless last.
     - ``("B", mb[, c])``: the output gradient comes from virtual stage ``v + 1`` (none on the
       last: the output is the loss); backpropagate; send the input's gradient to ``v - 1``
       unless this is the first. With ``state.split_backward`` (zero bubble) backpropagate
@@ -308,16 +316,15 @@ def run_action(stage: PipelineStage, action: tuple, state: StepState) -> None:
             x = state.inputs[mb]
         else:
             x = stage.recv("F", mb, v - 1, state).requires_grad_()
-        out = stage.forward(c, mb, x, state)
+        x, out = stage.forward(c, mb, x, state)
         state.saved[key] = (x, out)
         if not stage.is_last(c):
             stage.send("F", mb, out, v + 1, state)
     elif kind == "B":
         x, out = state.saved[key]
         grad = None if stage.is_last(c) else stage.recv("B", mb, v + 1, state, like=out)
-        if state.split_backward:
-            if not stage.is_first(c):  # the first stage's input is tokens: nothing to send
-                stage.backward(name, out, grad, inputs=[x], retain_graph=True)
+        if state.split_backward:  # the input gradient only; keep the graph for W
+            stage.backward(name, out, grad, inputs=[x], retain_graph=True)
             state.pending_w[key] = grad
         else:
             stage.backward(name, out, grad)
