@@ -258,7 +258,9 @@ class PipelineStage(nn.Module):
         split = any(a[0] == "W" for a in schedule[self.stage])
         # chapter 3's checkpoint recomputes a block and backpropagates into its weights in
         # one go, so with it B already does W's work (and W has nothing left to do)
-        state = StepState(inputs.chunk(m), targets.chunk(m), m,
+        # each micro-batch its own storage: memory accounting sees m separate inputs
+        state = StepState([t.clone() for t in inputs.chunk(m)],
+                          [t.clone() for t in targets.chunk(m)], m,
                           split and self.checkpointing is None)
         state.key = (tuple(inputs.shape[1:]), batch // m)
         for action in schedule[self.stage]:

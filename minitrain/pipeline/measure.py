@@ -168,7 +168,7 @@ def _rank_runs(kind, cases, m, batch, unit, config, repeats):
         chunk_bytes = None
         if kind == "gpt":
             chunk_bytes = _chunk_bytes(stage, batch // m, config["seq_len"], config["d_model"],
-                                       y[: batch // m])
+                                       y[: batch // m].clone())
         results.append(dict(runs=runs, loss=loss.item(), chunk_bytes=chunk_bytes,
                             schedule=schedule))
         dist.barrier()
