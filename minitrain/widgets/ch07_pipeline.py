@@ -21,8 +21,7 @@ def compute_pipeline_view(name: str, p: int, m: int, v: int, kind: str, result: 
     """What the widget shows for one run. ``result`` is ``run_pipelines(kind, p, m,
     [(name, v)])[(name, v)]``."""
     sim = result["simulation"]
-    grid = [[(float(start), float(end), a[0], a[1], a[2] if len(a) > 2 else 0)
-             for start, end, a in sim.timeline[s]] for s in range(p)]
+    grid = grid_of(sim)
     t0 = min(e.start for evs in result["events"] for e in evs)
     measured = [[(e.start - t0, e.end - t0, e.name, e.kind) for e in evs] for evs in result["events"]]
     view = dict(name=name, p=p, m=m, v=v, kind=kind, grid=grid, measured=measured,
@@ -49,6 +48,30 @@ def describe(view: dict) -> str:
     return "<br>".join(lines)
 
 
+def plot_schedule(grid, ax, num_chunks: int = 1, title: str | None = None):
+    """Draw a stage x time grid of F/B/W cells: ``grid[s]`` is stage s's list of
+    (start, end, kind, mb, chunk) — ``check.simulate(...).timeline`` turned into tuples."""
+    for s, cells in enumerate(grid):
+        for start, end, kind, mb, c in cells:
+            ax.broken_barh([(start, end - start)], (s - 0.4, 0.8), facecolors=CELL_COLORS[kind],
+                           edgecolor="white", alpha=1.0 if c % 2 == 0 else 0.6)
+            label = f"{kind}{mb}" if num_chunks == 1 else f"{kind}{mb}.{c}"
+            ax.text((start + end) / 2, s, label, ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(range(len(grid)))
+    ax.set_yticklabels([f"stage {s}" for s in range(len(grid))])
+    ax.invert_yaxis()
+    ax.set_xlabel("time (units: one stage forward)")
+    if title:
+        ax.set_title(title, fontsize="small")
+    return ax
+
+
+def grid_of(simulation) -> list:
+    """``simulate``'s timeline as plain tuples (start, end, kind, mb, chunk) per stage."""
+    return [[(float(start), float(end), a[0], a[1], a[2] if len(a) > 2 else 0)
+             for start, end, a in row] for row in simulation.timeline]
+
+
 def plot_view(view: dict, axes=None):
     """Top: the schedule data as a stage x time grid (unit costs). Bottom: the measured run."""
     import matplotlib.pyplot as plt
@@ -56,17 +79,7 @@ def plot_view(view: dict, axes=None):
     if axes is None:
         _, axes = plt.subplots(2, 1, figsize=(10, 1.2 + 1.1 * view["p"]))
     ax, ax2 = axes
-    for s, cells in enumerate(view["grid"]):
-        for start, end, kind, mb, c in cells:
-            ax.broken_barh([(start, end - start)], (s - 0.4, 0.8), facecolors=CELL_COLORS[kind],
-                           edgecolor="white", alpha=1.0 if c % 2 == 0 else 0.6)
-            label = f"{kind}{mb}" if view["v"] == 1 else f"{kind}{mb}.{c}"
-            ax.text((start + end) / 2, s, label, ha="center", va="center", fontsize=6, color="white")
-    ax.set_yticks(range(view["p"]))
-    ax.set_yticklabels([f"stage {s}" for s in range(view["p"])])
-    ax.invert_yaxis()
-    ax.set_xlabel("time (units: one stage forward)")
-    ax.set_title(f"schedule data: bubble {view['predicted_bubble']:.3f}", fontsize="small")
+    plot_schedule(view["grid"], ax, view["v"], f"schedule data: bubble {view['predicted_bubble']:.3f}")
     for r, evs in enumerate(view["measured"]):
         for start, end, name, kind in evs:
             if kind != "compute":
