@@ -45,7 +45,7 @@ def main(argv=None) -> int:
               f"{e['predicted_bubble']:>9.3f}")
 
     sleep = run_pipelines("sleep", 2, 2, CASES, unit=unit, repeats=max(3, repeats), timeout=300)
-    print(f"\n2. calibrated-sleep stage (no model: {1e3 * unit:.0f} ms per stage action), p = 2, m = 2")
+    print(f"\n2. calibrated-sleep stage (no model: {1e3 * unit:.0f} ms per action), p = 2, m = 2")
     print(f"{'schedule':<18}{'bubble':>9}{'formula':>9}{'within 10 %':>13}")
     for key, e in sleep.items():
         ok = abs(e["measured_bubble"] - e["predicted_bubble"]) <= 0.1 * e["predicted_bubble"]
