@@ -262,6 +262,9 @@ def _bad(what):
     from minitrain.pipeline import PipelineStage
     if what == "blocks":
         PipelineStage(_gpt(n_layer=1))
+    if what == "checkpointed":
+        from minitrain.checkpointing import set_checkpointing
+        PipelineStage(set_checkpointing(_gpt(), "full"))
     stage = PipelineStage(_gpt())
     x, y = _data(6)
     if what == "divide":
@@ -274,6 +277,7 @@ def _bad(what):
     ("blocks", "needs at least 2 blocks, but the model has 1"),
     ("divide", "4 micro-batches do not divide the batch of 6"),
     ("deadlock", "deadlocks"),
+    ("checkpointed", "pass checkpointing=<policy>"),
 ])
 def test_bad_input_is_a_clear_error(what, message):
     with pytest.raises(Exception, match=message):

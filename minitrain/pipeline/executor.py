@@ -126,6 +126,10 @@ class PipelineStage(nn.Module):
         if getattr(model.config, "tie_weights", False) and p > 1:
             raise ValueError("tie_weights=True shares the head with the embedding, which live "
                              f"on stages 0 and {p - 1}: build the model with tie_weights=False")
+        if "run_blocks" in vars(model):  # set_checkpointing(model) ran: its loop spans all blocks
+            raise ValueError("the model's blocks are already checkpointed as one loop; build the "
+                             "stage from the plain model and pass checkpointing=<policy>, which "
+                             "applies it to each chunk of this stage")
         self.num_chunks = v
         ranges = split_blocks(len(model.blocks), p * v)
         mine = {c: ranges[c * p + self.stage] for c in range(v)}
