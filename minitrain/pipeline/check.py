@@ -71,7 +71,7 @@ def validate(schedule, num_microbatches: int | None = None, num_chunks: int | No
                         f"it must be {list(want)} (a backward needs its forward first)")
 
 
-def _dependencies(action, stage: int, p: int, v: int):
+def dependencies(action, stage: int, p: int, v: int):
     """(kind, mb, chunk, stage) that must finish before ``action`` can start on ``stage``."""
     kind, (mb, c) = action[0], _key(action)
     virtual, last = c * p + stage, p * v - 1
@@ -109,7 +109,7 @@ def simulate(schedule, costs=None, num_microbatches=None, num_chunks=None) -> Si
         for s in range(p):
             while position[s] < len(schedule[s]):
                 action = schedule[s][position[s]]
-                deps = _dependencies(action, s, p, v)
+                deps = dependencies(action, s, p, v)
                 if any(d not in finish for d in deps):
                     break
                 start = max([free_at[s]] + [finish[d] for d in deps])
@@ -145,11 +145,35 @@ def chunk_costs(num_chunks: int, costs=None) -> dict:
 
 
 def bubble_fraction(schedule, num_chunks: int = 1) -> Fraction:
-    """The idle fraction of ``schedule`` under unit stage costs (chunks cost 1/v):
-    1 - (time all stages compute) / (stages x makespan)."""
+    """The idle fraction of ``schedule`` under unit stage costs: every action of a stage (F,
+    B or W) takes 1, a chunk's 1/v. Run the schedule in time: each stage runs its actions in
+    order, an action starting when its stage is free and every action it depends on
+    (``dependencies(action, stage, p, v)``: keys ``(kind, mb, chunk, stage)``) has finished.
+    Return 1 - (total busy time of all stages) / (p x makespan) as a Fraction; raise
+    ScheduleError if no stage can go on (a deadlock). Narayanan et al. 2021, section 2.2.
+    """
     ### BEGIN SOLUTION
-    # HINT: simulate it; busy time per stage is the sum of its actions' costs
-    return simulate(schedule, chunk_costs(num_chunks), num_chunks=num_chunks).bubble_fraction
+    # HINT: keep per stage the time it becomes free and the index of its next action;
+    # HINT: sweep the stages repeatedly, running each next action whose dependencies finished.
+    p, cost = len(schedule), Fraction(1, num_chunks)
+    finish, free, position = {}, [Fraction(0)] * p, [0] * p
+    while any(position[s] < len(schedule[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            while position[s] < len(schedule[s]):
+                action = schedule[s][position[s]]
+                deps = dependencies(action, s, p, num_chunks)
+                if any(d not in finish for d in deps):
+                    break
+                free[s] = max([free[s]] + [finish[d] for d in deps]) + cost
+                chunk = action[2] if len(action) > 2 else 0
+                finish[(action[0], action[1], chunk, s)] = free[s]
+                position[s] += 1
+                progressed = True
+        if not progressed:
+            raise ScheduleError(f"the schedule deadlocks at actions {position} of each stage")
+    busy = cost * sum(len(stage) for stage in schedule)
+    return 1 - busy / (p * max(free))
     ### END SOLUTION
 
 

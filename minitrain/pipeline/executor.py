@@ -84,13 +84,14 @@ class StageChunk(nn.Module):
             x = block(x)
         return x
 
+    def embed(self, idx):
+        """The first virtual stage's own input activation: the embedding of the tokens (made
+        to require grad if the embedding has no parameters, so B has something to reach)."""
+        x = self.gpt.embed(idx)
+        return x if x.requires_grad else x.requires_grad_()
+
     def forward(self, x):
-        gpt = self.gpt
-        sp = getattr(gpt, "sequence_parallel", False)  # dropout on sequence shards: own stream
-        with gpt.tp_rng.fork(x.device) if sp else nullcontext():
-            if self.first:
-                x = gpt.embed(x)
-            return self.run_blocks(x)
+        return self.run_blocks(x)
 
     def loss(self, h, targets):
         logits = self.gpt.logits(h)
@@ -125,6 +126,10 @@ class PipelineStage(nn.Module):
         if getattr(model.config, "tie_weights", False) and p > 1:
             raise ValueError("tie_weights=True shares the head with the embedding, which live "
                              f"on stages 0 and {p - 1}: build the model with tie_weights=False")
+        if "run_blocks" in vars(model):  # set_checkpointing(model) ran: its loop spans all blocks
+            raise ValueError("the model's blocks are already checkpointed as one loop; build the "
+                             "stage from the plain model and pass checkpointing=<policy>, which "
+                             "applies it to each chunk of this stage")
         self.num_chunks = v
         ranges = split_blocks(len(model.blocks), p * v)
         mine = {c: ranges[c * p + self.stage] for c in range(v)}
@@ -201,15 +206,22 @@ class PipelineStage(nn.Module):
         return buffer
 
     # ------------------------------------------------------------------ compute
-    def forward(self, chunk: int, mb: int, x: torch.Tensor, state) -> torch.Tensor:
-        """Chunk ``chunk`` on ``x``; on the last virtual stage, the micro-batch's loss / m."""
+    def forward(self, chunk: int, mb: int, x: torch.Tensor, state):
+        """Chunk ``chunk`` on ``x`` (micro-batch ``mb``'s tokens on the first virtual stage).
+        Returns (the activation its blocks started from — ``x``, or the embedding on the
+        first virtual stage — and the output: on the last virtual stage, the loss / m)."""
+        module = self.chunks[chunk]
+        sp = getattr(self.model, "sequence_parallel", False)  # dropout on shards: own stream
         with trace.span(f"F{mb}" + (f".{chunk}" if self.num_chunks > 1 else ""), "compute"):
-            out = self.chunks[chunk](x)
-            if self.is_last(chunk):
-                loss = self.chunks[chunk].loss(out, state.targets[mb])
+            with self.model.tp_rng.fork(x.device) if sp else nullcontext():
+                if module.first:
+                    x = module.embed(x)
+                out = module(x)
+            if module.last:
+                loss = module.loss(out, state.targets[mb])
                 state.losses.append(loss.detach())
                 out = loss / state.num_microbatches  # the step's loss is the mean over m
-        return out
+        return x, out
 
     def backward(self, name: str, out, grad, inputs=None, retain_graph=False) -> None:
         """``torch.autograd.backward`` of ``out`` with upstream ``grad`` (None for the loss),
@@ -250,7 +262,9 @@ class PipelineStage(nn.Module):
         split = any(a[0] == "W" for a in schedule[self.stage])
         # chapter 3's checkpoint recomputes a block and backpropagates into its weights in
         # one go, so with it B already does W's work (and W has nothing left to do)
-        state = StepState(inputs.chunk(m), targets.chunk(m), m,
+        # each micro-batch its own storage: memory accounting sees m separate inputs
+        state = StepState([t.clone() for t in inputs.chunk(m)],
+                          [t.clone() for t in targets.chunk(m)], m,
                           split and self.checkpointing is None)
         state.key = (tuple(inputs.shape[1:]), batch // m)
         for action in schedule[self.stage]:
@@ -286,8 +300,8 @@ def run_action(stage: PipelineStage, action: tuple, state: StepState) -> None:
 
     - ``("F", mb[, c])``: the input is micro-batch ``mb``'s tokens on the first virtual stage,
       else the activation received from virtual stage ``v - 1`` (made a leaf that requires
-      grad, so backward yields its gradient); run ``stage.forward``; keep (input, output) in
-      ``state.saved``; send the output to virtual stage ``v + 1`` unless this is the last.
+      grad, so backward yields its gradient); ``stage.forward`` returns (input activation,
+      output); keep both in ``state.saved``; send the output to ``v + 1`` unless last.
     - ``("B", mb[, c])``: the output gradient comes from virtual stage ``v + 1`` (none on the
       last: the output is the loss); backpropagate; send the input's gradient to ``v - 1``
       unless this is the first. With ``state.split_backward`` (zero bubble) backpropagate
@@ -308,16 +322,15 @@ def run_action(stage: PipelineStage, action: tuple, state: StepState) -> None:
             x = state.inputs[mb]
         else:
             x = stage.recv("F", mb, v - 1, state).requires_grad_()
-        out = stage.forward(c, mb, x, state)
+        x, out = stage.forward(c, mb, x, state)
         state.saved[key] = (x, out)
         if not stage.is_last(c):
             stage.send("F", mb, out, v + 1, state)
     elif kind == "B":
         x, out = state.saved[key]
         grad = None if stage.is_last(c) else stage.recv("B", mb, v + 1, state, like=out)
-        if state.split_backward:
-            if not stage.is_first(c):  # the first stage's input is tokens: nothing to send
-                stage.backward(name, out, grad, inputs=[x], retain_graph=True)
+        if state.split_backward:  # the input gradient only; keep the graph for W
+            stage.backward(name, out, grad, inputs=[x], retain_graph=True)
             state.pending_w[key] = grad
         else:
             stage.backward(name, out, grad)

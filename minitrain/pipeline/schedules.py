@@ -18,7 +18,7 @@ from __future__ import annotations
 from minitrain.pipeline.check import ScheduleError, simulate
 
 
-def _check_sizes(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> None:
+def check_sizes(num_stages: int, num_microbatches: int, num_chunks: int = 1) -> None:
     for name, value in (("num_stages", num_stages), ("num_microbatches", num_microbatches),
                         ("num_chunks", num_chunks)):
         if not isinstance(value, int) or value < 1:
@@ -32,7 +32,7 @@ def gpipe_schedule(num_stages: int, num_microbatches: int) -> list[list[tuple]]:
     under unit costs the bubble is (p-1)/(m+p-1). Backwards run in reverse order, so the
     last micro-batch's gradient, the first to arrive, is consumed first.
     """
-    _check_sizes(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     m = num_microbatches
     order = [("F", mb) for mb in range(m)] + [("B", mb) for mb in reversed(range(m))]
     return [list(order) for _ in range(num_stages)]
@@ -46,7 +46,7 @@ def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> list[list[tu
     (bubble (p-1)/(m+p-1) under unit costs) but holds at most ``p - s`` micro-batches'
     activations on stage s instead of m.
     """
-    _check_sizes(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     ### BEGIN SOLUTION
     # HINT: stage s can start its first backward only after the last stage has run its
     # HINT: forward of micro-batch 0: it needs p - s - 1 forwards of head start, then one more.
@@ -78,7 +78,7 @@ def interleaved_one_f_one_b_schedule(
     activations: stage s holds up to min(2(p-s-1) + (v-1)p + 1, v*m) chunks, each 1/v of
     the stage (``check.interleaved_peak_in_flight``). v = 1 is plain 1F1B.
     """
-    _check_sizes(num_stages, num_microbatches, num_chunks)
+    check_sizes(num_stages, num_microbatches, num_chunks)
     p, m, v = num_stages, num_microbatches, num_chunks
     g = min(p, m)
 
@@ -134,7 +134,7 @@ def zero_bubble_schedule(num_stages: int, num_microbatches: int) -> list[list[tu
     of F and B; whenever its next F or B cannot start yet (its input has not arrived, or a
     new F would put more than p micro-batches in flight) it runs its oldest pending W.
     """
-    _check_sizes(num_stages, num_microbatches)
+    check_sizes(num_stages, num_microbatches)
     p, m = num_stages, num_microbatches
     order = one_f_one_b_schedule(p, m)
     done: dict[tuple, int] = {}  # (kind, mb, stage) -> finish time
