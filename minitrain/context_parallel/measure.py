@@ -139,6 +139,49 @@ def measure_ring(batch=1, heads=2, seq_len=256, head_dim=32, world_size=2, layou
     return out
 
 
+def work_per_step(seq_len, world_size, layout="contiguous", causal=True, batch_heads=2,
+                  head_dim=32, repeats=3) -> dict:
+    """Each rank's forward work at each ring step, measured in this one process.
+
+    Runs the real ``ring_step`` (with ``send=False``: no communication) for every rank and
+    step on the block that rank holds then, counting FLOPs with torch's FlopCounterMode and
+    CPU seconds (median of ``repeats``). Returns {"flops": [rank][step], "seconds":
+    [rank][step]} — what a rank computes, without the process group (for the widget).
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from minitrain.context_parallel.ring import ring_step
+
+    check_divisible(seq_len, world_size, layout)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch_heads, seq_len, head_dim, generator=g) for _ in range(3))
+    chunks = [t.chunk(num_chunks(world_size, layout), dim=-2) for t in (q, k, v)]
+
+    def shard(t, rank):
+        return torch.cat([t[i] for i in rank_chunks(rank, world_size, layout)], dim=-2)
+
+    flops = [[0] * world_size for _ in range(world_size)]
+    seconds = [[0.0] * world_size for _ in range(world_size)]
+    for rank in range(world_size):
+        q_chunks = rank_chunks(rank, world_size, layout)
+        qs = list(shard(chunks[0], rank).chunk(len(q_chunks), dim=-2))
+        for step in range(world_size):
+            src = (rank - step) % world_size
+            kv = torch.stack([shard(chunks[1], src), shard(chunks[2], src)])
+            kv_chunks = rank_chunks(src, world_size, layout)
+            times = []
+            for _ in range(repeats):
+                outs, lses = [None] * len(qs), [None] * len(qs)
+                counter = FlopCounterMode(display=False)
+                start = time.process_time()
+                with counter:
+                    ring_step(qs, q_chunks, kv, kv_chunks, outs, lses, causal, send=False)
+                times.append(time.process_time() - start)
+            flops[rank][step] = counter.get_total_flops()
+            seconds[rank][step] = statistics.median(times)
+    return {"flops": flops, "seconds": seconds}
+
+
 def overlap_summary(events) -> dict:
     """From one rank's trace: seconds of compute, of send/recv in flight, of waiting, and
     how much of the in-flight communication ran while the rank was computing."""

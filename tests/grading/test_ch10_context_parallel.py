@@ -66,7 +66,6 @@ def test_merge_with_an_empty_side():
 def _ring_case(layout, causal):
     from minitrain.context_parallel import ring, shard_sequence
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     events, sent = [], []
     real_isend, real_forward = dist.isend, ring.flash_attention_forward
 
