@@ -17,11 +17,10 @@ from fractions import Fraction
 from torch import nn
 from minitrain import trace
 from minitrain.checkpointing import set_checkpointing
-from minitrain.model import lm_loss
 from minitrain.pipeline.check import ScheduleError, dependencies, simulate
 from minitrain.pipeline.executor import PipelineStage, StepState
+from minitrain.pipeline.partition import StageChunk, split_blocks
 from minitrain.pipeline.schedules import check_sizes, make_schedule
-from minitrain.tensor_parallel import vocab_parallel_cross_entropy
 
 
 def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> list[list[tuple]]:
@@ -70,4 +69,4 @@ def bubble_fraction(schedule, num_chunks: int = 1) -> Fraction:
     # HINT: sweep the stages repeatedly, running each next action whose dependencies finished.
     raise NotImplementedError("exercise: write bubble_fraction (see its docstring)")
 
-# minitrain-exercises-hash: 19afc770aa40024d
+# minitrain-exercises-hash: 45fc518b9d9296b3

@@ -13,11 +13,10 @@ from fractions import Fraction
 from torch import nn
 from minitrain import trace
 from minitrain.checkpointing import set_checkpointing
-from minitrain.model import lm_loss
 from minitrain.pipeline.check import ScheduleError, dependencies, simulate
 from minitrain.pipeline.executor import PipelineStage, StepState
+from minitrain.pipeline.partition import StageChunk, split_blocks
 from minitrain.pipeline.schedules import check_sizes, make_schedule
-from minitrain.tensor_parallel import vocab_parallel_cross_entropy
 
 
 def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> list[list[tuple]]:
@@ -125,4 +124,4 @@ def bubble_fraction(schedule, num_chunks: int = 1) -> Fraction:
     return 1 - busy / (p * max(free))
     ### END SOLUTION
 
-# minitrain-exercises-hash: 8bcccd579b1d2ea6
+# minitrain-exercises-hash: b17b3a8e1badcae1

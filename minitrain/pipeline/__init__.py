@@ -4,7 +4,8 @@ GPipe (Huang et al. 2019), 1F1B / PipeDream-Flush and interleaved 1F1B (Narayana
 2021, section 2.2), zero-bubble ZB-H1 (Qi et al. 2024). Files by role: ``schedules.py``
 (schedules as pure data), ``check.py`` (validate and simulate a schedule: deadlock, makespan,
 bubble, peak in-flight micro-batches), ``executor.py`` (``PipelineStage``: run any schedule
-over send/recv), ``measure.py`` (bubbles and activation memory measured against formulas).
+over send/recv), ``partition.py`` (the GPT cut into stages), ``measure.py`` (bubbles
+and activation memory measured against formulas).
 Used by notebooks/07_pipeline_parallel.ipynb.
 """
 
@@ -22,14 +23,8 @@ from minitrain.pipeline.check import (
     validate,
     zero_bubble_h1_makespan,
 )
-from minitrain.pipeline.executor import (
-    PipelineStage,
-    StageChunk,
-    StepState,
-    average_gradients,
-    run_action,
-    split_blocks,
-)
+from minitrain.pipeline.executor import PipelineStage, StepState, average_gradients, run_action
+from minitrain.pipeline.partition import StageChunk, split_blocks
 from minitrain.pipeline.schedules import (
     SCHEDULES,
     gpipe_schedule,
