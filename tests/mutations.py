@@ -254,6 +254,59 @@ MUTATIONS = [
         ],
     ),
     Mutation(
+        "flash: running sum not rescaled when the max changes",
+        "minitrain/flash_attention/tiles.py",
+        "sum_new = alpha * row_sum + p.sum(dim=-1)",
+        "sum_new = row_sum + p.sum(dim=-1)",
+        [
+            "tests/test_flash_attention.py::test_matches_sdpa_fp32",
+            "tests/grading/test_ch09_flash_attention.py::test_a_larger_max_later_rescales_what_was_summed",
+        ],
+    ),
+    Mutation(
+        "flash: causal tile skip off by one",
+        "minitrain/flash_attention/tiles.py",
+        "        if causal and j0 > i1 - 1:\n",
+        "        if causal and j0 >= i1 - 1:\n",
+        [
+            "tests/test_flash_attention.py::test_matches_sdpa_fp32",
+            "tests/grading/test_ch09_flash_attention.py::test_forward_of_a_query_block_matches_softmax_attention",
+        ],
+    ),
+    Mutation(
+        "flash: D computed from the block's own output, not the given (global) one",
+        "minitrain/flash_attention/tiles.py",
+        "delta = (do.float() * o.float()).sum(dim=-1)",
+        "delta = (do.float() * flash_attention_forward(q, k, v, causal, block_q, block_k)[0]"
+        ".reshape(qg.shape).float()).sum(dim=-1)",
+        ["tests/test_flash_attention.py::test_backward_with_global_out_and_lse_gives_each_key_blocks_share"],
+    ),
+    Mutation(
+        "flash: logsumexp saved without the running max",
+        "minitrain/flash_attention/tiles.py",
+        "return acc / row_sum[..., None], m + torch.log(row_sum)",
+        "return acc / row_sum[..., None], torch.log(row_sum)",
+        [
+            "tests/test_flash_attention.py::test_saved_tensors_hold_one_logsumexp_of_shape_batch_n",
+            "tests/grading/test_ch09_flash_attention.py::test_forward_of_a_query_block_matches_softmax_attention",
+        ],
+    ),
+    Mutation(
+        "flash: GQA k/v gradients taken from one query head, not summed over the group",
+        "minitrain/flash_attention/tiles.py",
+        "dk_j, dv_j = dk_j.sum(dim=-3), dv_j.sum(dim=-3)",
+        "dk_j, dv_j = dk_j[..., 0, :, :], dv_j[..., 0, :, :]",
+        ["tests/test_flash_attention.py::test_matches_sdpa_fp32"],
+    ),
+    Mutation(
+        "flash triton: causal mask dropped in the backward's tile recomputation",
+        "minitrain/flash_attention/triton_kernels.py",
+        "p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)  # P rebuilt from L",
+        "p = tl.where((rows < n_q)[:, None] & (keys < n_k)[None, :], tl.exp(s - lse[:, None]), 0.0)"
+        "  # P rebuilt from L",
+        ["tests/test_flash_attention_triton.py::test_triton_equals_tiles_and_sdpa"],
+    ),
+    Mutation(
         "context parallel: merge without max-subtraction (exp of a logsumexp overflows)",
         "minitrain/context_parallel/merge.py",
         "    m = torch.maximum(lse_a, lse_b)\n",

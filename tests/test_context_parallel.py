@@ -55,6 +55,24 @@ def _attention_cases():
                 errors["d" + name] = (local.grad - _contract_shard(glob.grad, rank, world, layout)).abs().max().item()
             roundtrip = torch.equal(gather_sequence(shard_sequence(q, layout=layout), layout=layout), q)
             out[(layout, causal)] = (errors, layout_ok, roundtrip)
+    if world == 4:  # two rings of 2 inside 4 ranks ({0, 1} and {2, 3}), each on its own data
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        group, sub = groups[rank // 2], rank % 2
+        g = torch.Generator().manual_seed(20 + rank // 2)
+        q, k, v, do = (torch.randn(*SHAPE, generator=g) for _ in range(4))
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        F.scaled_dot_product_attention(*full, is_causal=True).backward(do)
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        shards = [shard_sequence(t, group=group, layout="zigzag") for t in (q, k, v, do)]
+        layout_ok = all(torch.equal(s, _contract_shard(t, sub, 2, "zigzag"))
+                        for s, t in zip(shards, (q, k, v, do)))
+        ql, kl, vl = (s.clone().requires_grad_() for s in shards[:3])
+        y = ring_attention(ql, kl, vl, causal=True, group=group, layout="zigzag")
+        y.backward(shards[3])
+        errors = {"out": (gather_sequence(y.detach(), group=group, layout="zigzag") - ref).abs().max().item()}
+        for name, local, glob in zip("qkv", (ql, kl, vl), full):
+            errors["d" + name] = (local.grad - _contract_shard(glob.grad, sub, 2, "zigzag")).abs().max().item()
+        out[("zigzag in a group of 2", True)] = (errors, layout_ok, True)
     return out
 
 
@@ -143,8 +161,14 @@ def _gpt_curves(steps, layout):
     config = GPTConfig(vocab_size=64, seq_len=32, n_layer=2, n_head=2, d_model=32)
     torch.manual_seed(0)
     dense = GPT(config)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cp_group, dp_group, dp = None, None, 1
+    if world == 4:  # CP-2 inside DP-2: every rank creates every group, in the same order
+        cps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        dps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        cp_group, dp_group, dp = cps[rank // 2], dps[rank % 2], 2
     torch.manual_seed(0)
-    cp = ContextParallelGPT(GPT(config), layout=layout)
+    cp = ContextParallelGPT(GPT(config), group=cp_group, layout=layout)
     opt_d = torch.optim.AdamW(dense.parameters(), lr=3e-3)
     opt_c = torch.optim.AdamW(cp.parameters(), lr=3e-3)
     curve_d, curve_c = [], []
@@ -156,17 +180,29 @@ def _gpt_curves(steps, layout):
             loss.backward()
             opt_d.step()
             curve_d.append(loss.item())
+        if dp > 1:  # this data-parallel replica's half of the batch
+            half = slice((rank // 2) * 2, (rank // 2) * 2 + 2)
+            x, y = x[half], y[half]
         local = cp.loss(cp.shard(x), cp.shard(y))
         opt_c.zero_grad()
         local.backward()
         cp.finish_gradient_synchronization()
+        loss = torch.tensor(cp.average_loss(local))
+        if dp > 1:
+            for p in cp.parameters():
+                dist.all_reduce(p.grad, group=dp_group)
+                p.grad /= dp
+            dist.all_reduce(loss, group=dp_group)
+            loss /= dp
         opt_c.step()
-        curve_c.append(cp.average_loss(local))
+        curve_c.append(loss.item())
     return curve_d, curve_c
 
 
 @pytest.mark.parametrize("world,layout,steps", [(2, "zigzag", 50), (4, "contiguous", 15)])
 def test_gpt_loss_curve_equals_one_process(world, layout, steps):
+    """CP-2 alone; and on 4 ranks CP-2 × DP-2 (CP groups {0, 1}, {2, 3}, each on half the
+    batch, gradients then averaged over the data-parallel pairs {0, 2}, {1, 3})."""
     results = launch(_gpt_curves, world, steps, layout, timeout=180)
     dense = results[0][0]
     for rank, (_, cp) in enumerate(results):

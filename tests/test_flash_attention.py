@@ -51,7 +51,7 @@ def _reference(q, k, v, do, causal):
     return (out, *torch.autograd.grad(out, (q, k, v), do))
 
 
-def _flash(q, k, v, do, causal, block_q=16, block_k=16):
+def _flash(q, k, v, do, causal, block_q=12, block_k=11):  # tiles that do not divide each other
     out = FlashAttentionFunction.apply(q, k, v, causal, block_q, block_k)
     return (out, *torch.autograd.grad(out, (q, k, v), do))
 
@@ -232,3 +232,23 @@ def test_bad_inputs_are_named():
         flash_attention(torch.zeros(4, 8), torch.zeros(4, 6), torch.zeros(4, 6))
     with pytest.raises(ValueError, match="dropout_p=0.1"):
         flash_attention_fn(q, q, q, dropout_p=0.1, training=True)
+
+
+def test_composes_with_checkpointing():
+    # full checkpointing recomputes each block's forward, flash attention included, in backward;
+    # the gradients must equal the un-checkpointed naive model's
+    from minitrain.checkpointing import set_checkpointing
+
+    config = GPTConfig(seq_len=16, n_layer=2, n_head=2, d_model=16)
+    x, y = get_batch(0, 4, vocab_size=config.vocab_size, seq_len=config.seq_len)
+    grads = {}
+    for name in ("naive", "flash+checkpoint"):
+        torch.manual_seed(0)
+        model = GPT(config)
+        if name != "naive":
+            set_attention_fn(model, flash_attention_fn)
+            set_checkpointing(model, "full")
+        model.loss(x, y).backward()
+        grads[name] = {n: p.grad for n, p in model.named_parameters()}
+    for n, g in grads["naive"].items():
+        torch.testing.assert_close(grads["flash+checkpoint"][n], g, **FP32, msg=lambda m, n=n: f"{n}: {m}")

@@ -7,92 +7,42 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
+from toy_models import Branchy, Toy, mse, toy_batch
 
 from minitrain.launch import launch
 
-STEPS, BATCH = 10, 12
-
-
-class Block(nn.Module):
-    def __init__(self, h):
-        super().__init__()
-        self.fc = nn.Linear(h, h)
-        self.ln = nn.LayerNorm(h)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(self.ln(x)))
-
-
-class Toy(nn.Module):
-    """Sizes 35, 7, 49, 7, 7, 7, ..., 21, 3: none divisible by 2, 3 or 4 all together."""
-
-    def __init__(self, n=3):
-        super().__init__()
-        self.inp = nn.Linear(5, 7)
-        self.blocks = nn.ModuleList(Block(7) for _ in range(n))
-        self.out = nn.Linear(7, 3)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for b in self.blocks:
-            x = b(x)
-        return self.out(x)
-
-
-class Branchy(nn.Module):
-    """Rank-dependent use: ``even`` only for inputs whose first feature is > 0, ``never`` never."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(5, 7)
-        self.even, self.odd, self.never = nn.Linear(7, 3), nn.Linear(7, 3), nn.Linear(7, 3)
-
-    def forward(self, x):
-        h = torch.tanh(self.inp(x))
-        pos = x[:, 0] > 0
-        out = torch.zeros(x.shape[0], 3)
-        if pos.any():
-            out[pos] = self.even(h[pos])
-        if (~pos).any():
-            out[~pos] = self.odd(h[~pos])
-        return out
-
-
-def _batch(step, rank=0, world=1):
-    g = torch.Generator().manual_seed(100 + step)
-    x, y = torch.randn(BATCH, 5, generator=g), torch.randn(BATCH, 3, generator=g)
-    b = BATCH // world
-    return x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]
-
-
-def _mse(out, y):
-    return ((out.float() - y) ** 2).mean()
+STEPS = 10
 
 
 def _reference(model_cls, opt_cls, lr, steps=STEPS, world=1, dtype=None):
     """One process. With ``dtype``: fp32 masters, each step the model run in ``dtype`` on each
-    of ``world`` sub-batches, gradients cast to fp32 and averaged — the casts FSDP makes."""
+    of ``world`` sub-batches, gradients cast to fp32 and averaged — the casts FSDP makes.
+    Low-precision matmuls round differently with another thread count (the split of the
+    reduction changes), so the reference and the ranks both use one thread."""
+    threads = torch.get_num_threads()
+    if dtype is not None:
+        torch.set_num_threads(1)
     torch.manual_seed(0)
     master = model_cls()
     opt = opt_cls(master.parameters(), lr=lr)
     for s in range(steps):
         opt.zero_grad()
         if dtype is None:
-            x, y = _batch(s)
-            _mse(master(x), y).backward()
+            x, y = toy_batch(s)
+            mse(master(x), y).backward()
         else:
             grads = [torch.zeros_like(p) for p in master.parameters()]
             for r in range(world):
                 low = copy.deepcopy(master).to(dtype)
-                x, y = _batch(s, r, world)
-                _mse(low(x.to(dtype)), y).backward()
+                x, y = toy_batch(s, r, world)
+                mse(low(x.to(dtype)), y).backward()
                 for g, p in zip(grads, low.parameters()):
                     if p.grad is not None:
                         g += p.grad.float() / world
             for p, g in zip(master.parameters(), grads):
                 p.grad = g
         opt.step()
+    torch.set_num_threads(threads)
     return {n: p.detach().clone() for n, p in master.named_parameters()}
 
 
@@ -100,15 +50,17 @@ def _train_fsdp(model_cls, opt_cls, lr, steps=STEPS, compute_dtype=None, replica
     from minitrain.fsdp import FullyShardedDataParallel
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    if compute_dtype is not None:
+        torch.set_num_threads(1)  # as the reference: see _reference
     torch.manual_seed(0)
     model = model_cls()
     rep = [p for n, p in model.named_parameters() if replicated and replicated in n]
     fsdp = FullyShardedDataParallel(model, compute_dtype=compute_dtype, replicated_params=rep or None)
     opt = opt_cls(fsdp.parameters(), lr=lr)
     for s in range(steps):
-        x, y = _batch(s, rank, world)
+        x, y = toy_batch(s, rank, world)
         opt.zero_grad()
-        _mse(fsdp(x if compute_dtype is None else x.to(compute_dtype)), y).backward()
+        mse(fsdp(x if compute_dtype is None else x.to(compute_dtype)), y).backward()
         fsdp.finish_gradient_synchronization()
         opt.step()
     shard_numel = sum(p.numel() for p in fsdp.parameters())
@@ -172,8 +124,8 @@ def _clip(max_norm):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     fsdp = FullyShardedDataParallel(Toy())
-    x, y = _batch(0, rank, world)
-    _mse(fsdp(x), y).backward()
+    x, y = toy_batch(0, rank, world)
+    mse(fsdp(x), y).backward()
     fsdp.finish_gradient_synchronization()
     norm = fsdp.clip_grad_norm_(max_norm)
     torch.optim.SGD(fsdp.parameters(), lr=0.1).step()
@@ -183,8 +135,8 @@ def _clip(max_norm):
 def test_clip_grad_norm_equals_torch_on_the_full_model():
     torch.manual_seed(0)
     model = Toy()
-    x, y = _batch(0)
-    _mse(model(x), y).backward()
+    x, y = toy_batch(0)
+    mse(model(x), y).backward()
     want = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     for norm, state in launch(_clip, 3, 0.05, timeout=120):

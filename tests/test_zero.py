@@ -8,12 +8,12 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
+from toy_models import Toy, toy_batch
 
 from minitrain.launch import launch
 from minitrain.zero import communication_formula, memory_formula, partition_parameters
 
-STEPS, BATCH, LR = 10, 12, 1e-2
+STEPS, LR = 10, 1e-2
 # Tolerance: every rank's gradient is the same sum as one process's, in a different order
 # (per-rank means, then a reduce-scatter): fp32 rounding, ~1e-7 relative. AdamW's update is
 # lr·m/(√v+ε), a ratio insensitive to a common relative error, so after 10 steps the
@@ -22,45 +22,12 @@ STEPS, BATCH, LR = 10, 12, 1e-2
 ATOL = 2e-6
 
 
-class Block(nn.Module):
-    def __init__(self, h):
-        super().__init__()
-        self.fc = nn.Linear(h, h)
-        self.ln = nn.LayerNorm(h)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(self.ln(x)))
-
-
-class Toy(nn.Module):
-    """Parameter sizes 35, 7, 49, 7, 7, 7, ..., 21, 3: none divisible by 2, 3 or 4 all together."""
-
-    def __init__(self, n=3):
-        super().__init__()
-        self.inp = nn.Linear(5, 7)
-        self.blocks = nn.ModuleList(Block(7) for _ in range(n))
-        self.out = nn.Linear(7, 3)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for b in self.blocks:
-            x = b(x)
-        return self.out(x)
-
-
-def _batch(step, rank=0, world=1):
-    g = torch.Generator().manual_seed(100 + step)
-    x, y = torch.randn(BATCH, 5, generator=g), torch.randn(BATCH, 3, generator=g)
-    b = BATCH // world
-    return x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]
-
-
 def _reference(steps=STEPS):
     torch.manual_seed(0)
     model = Toy()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     for s in range(steps):
-        x, y = _batch(s)
+        x, y = toy_batch(s)
         opt.zero_grad()
         ((model(x) - y) ** 2).mean().backward()
         opt.step()
@@ -78,7 +45,7 @@ def _train_zero(stages, offload=False, steps=STEPS, cap=4e-4):
             Toy(), torch.optim.AdamW, stage, lr=LR, offload=offload, bucket_cap_mb=cap
         )
         for s in range(steps):
-            x, y = _batch(s, rank, world)
+            x, y = toy_batch(s, rank, world)
             z.zero_grad()
             ((z(x) - y) ** 2).mean().backward()
             z.step()
@@ -155,7 +122,7 @@ def _sharded_case():
     opt.add_param_group({"params": params[4:]})
     reset_bytes_sent()
     for s in range(STEPS):
-        x, y = _batch(s, rank, world)
+        x, y = toy_batch(s, rank, world)
         opt.zero_grad()
         ((model(x) - y) ** 2).mean().backward()
         for p in params:  # the averaging DDP would do (torch's all_reduce, the oracle)
@@ -261,7 +228,7 @@ def _measure(stage):
         z = ZeroDataParallel(model, torch.optim.AdamW, stage, lr=LR, bucket_cap_mb=1e-4)
         model, step, zg, mem = z, z.step, z.zero_grad, z.memory_bytes
     units = [u.numel for u in z.units if u is not None] if stage else [sum(sizes)]
-    x, y = _batch(0, rank, world)
+    x, y = toy_batch(0, rank, world)
     zg()
     ((model(x) - y) ** 2).mean().backward()
     reset_bytes_sent()
@@ -292,7 +259,7 @@ def _stage3_trace():
 
     torch.manual_seed(0)
     z = ZeroDataParallel(Toy(n=4), torch.optim.AdamW, 3, lr=LR)
-    x, y = _batch(0, dist.get_rank(), dist.get_world_size())
+    x, y = toy_batch(0, dist.get_rank(), dist.get_world_size())
     freed_during_forward = []
 
     def check(module, args, output):
@@ -333,7 +300,7 @@ def _stage2_overlap():
 
     torch.manual_seed(0)
     z = ZeroDataParallel(Toy(n=4), torch.optim.AdamW, 2, lr=LR, bucket_cap_mb=1e-4)
-    x, y = _batch(0, dist.get_rank(), dist.get_world_size())
+    x, y = toy_batch(0, dist.get_rank(), dist.get_world_size())
     trace.reset()
     ((z(x) - y) ** 2).mean().backward()
     held = [p.grad is None for p in z.module.parameters()]
@@ -370,12 +337,12 @@ def _accumulate_and_eval():
         torch.manual_seed(0)
         z = ZeroDataParallel(Toy(), torch.optim.AdamW, stage, lr=LR, bucket_cap_mb=4e-4)
         for s in range(STEPS):
-            x, y = _batch(s, rank, world)
+            x, y = toy_batch(s, rank, world)
             z.zero_grad()
             for half in (slice(0, 3), slice(3, 6)):  # two micro-batches, gradients accumulate
                 (((z(x[half]) - y[half]) ** 2).mean() / 2).backward()
             z.step()
-        x, _ = _batch(99)
+        x, _ = toy_batch(99)
         with torch.no_grad():  # evaluation: no backward, no hooks left behind
             prediction = z(x)
         out[stage] = (z.full_state_dict(), prediction)
@@ -386,7 +353,7 @@ def test_gradient_accumulation_and_no_grad_forward():
     ref = _reference()
     model = Toy()
     model.load_state_dict(ref)
-    want = model(_batch(99)[0]).detach()
+    want = model(toy_batch(99)[0]).detach()
     for stage, (state, prediction) in launch(_accumulate_and_eval, 2, timeout=60)[1].items():
         for name in ref:
             assert (state[name] - ref[name]).abs().max().item() <= ATOL, (stage, name)

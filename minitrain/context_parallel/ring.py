@@ -127,7 +127,7 @@ def ring_step(qs, q_chunks, kv, kv_chunks, outs, lses, causal, group=None, send=
 
 def ring_forward(q, k, v, causal=False, group=None, layout="contiguous"):
     """(out, lse) of this rank's queries over the whole sequence: P calls of ``ring_step``."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     q_chunks = rank_chunks(rank, world, layout)
     qs = list(q.chunk(len(q_chunks), dim=-2))
     outs, lses = [None] * len(qs), [None] * len(qs)
@@ -142,7 +142,7 @@ def ring_forward(q, k, v, causal=False, group=None, layout="contiguous"):
 
 def ring_backward(q, k, v, out, lse, grad_out, causal=False, group=None, layout="contiguous"):
     """(dq, dk, dv) of this rank's shard; dK and dV travel round the ring with their block."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
     q_chunks = rank_chunks(rank, world, layout)
     n = len(q_chunks)
     qs, outs, lses = q.chunk(n, dim=-2), out.chunk(n, dim=-2), lse.chunk(n, dim=-1)
@@ -156,9 +156,9 @@ def ring_backward(q, k, v, out, lse, grad_out, causal=False, group=None, layout=
         ks, vs = kv[0].chunk(n, dim=-2), kv[1].chunk(n, dim=-2)
         dks, dvs = dkv[0].chunk(n, dim=-2), dkv[1].chunk(n, dim=-2)  # views into dkv
         with trace.span("attention block backward", "compute"):
-            for i, j, diagonal in causal_blocks(q_chunks, kv_chunks, causal):
+            for i, j, masked in causal_blocks(q_chunks, kv_chunks, causal):
                 dq, dk, dv = flash_attention_backward(qs[i], ks[j], vs[j], outs[i], lses[i],
-                                                      dos[i], causal=diagonal)
+                                                      dos[i], causal=masked)
                 dqs[i] += dq
                 dks[j].add_(dk)
                 dvs[j].add_(dv)

@@ -9,11 +9,9 @@ for backward where naive attention saves the O(N²) probabilities (Dao et al. 20
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
+from minitrain.checkpointing.measure import interleaved_seconds
 from minitrain.flash_attention.function import flash_attention
 from minitrain.flash_attention.io_model import causal_tiles, tiled_io
 from minitrain.flash_attention.tiles import TileLog, flash_attention_forward
@@ -66,14 +64,16 @@ def recorded_io(n_q: int, n_k: int, d: int, block_q: int, block_k: int, causal: 
             "formula_skipped": tiles["skipped"] if tiles else 0}
 
 
-def time_forward_backward(attention, q, k, v, causal: bool = True, repeats: int = 3) -> float:
-    """Median seconds of ``attention(q, k, v, causal)`` forward plus backward."""
-    grad = torch.randn_like(q)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = attention(q, k, v, causal)
-        torch.autograd.grad(out, (q, k, v), grad)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def forward_backward_seconds(attentions: dict, n: int, d: int = 64, batch: int = 1, heads: int = 4,
+                             causal: bool = True, repeats: int = 3) -> dict:
+    """Median seconds of forward plus backward of each ``attentions[name](q, k, v, causal)``
+    on (batch, heads, n, d) fp32 inputs, timed in turns (``interleaved_seconds``) so a busy
+    machine slows them all alike."""
+    q, k, v = _inputs(batch, heads, n, d)
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
 
+    def step(attention):
+        return lambda: torch.autograd.grad(attention(q, k, v, causal), (q, k, v), grad)
+
+    seconds = interleaved_seconds([step(fn) for fn in attentions.values()], repeats, warmup=1)
+    return dict(zip(attentions, seconds))

@@ -38,9 +38,34 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402  (after TRITON_INTERPRET is decided)
 import triton.language as tl  # noqa: E402
 
+# Only Triton *builtins* and our own jitted functions are called inside the kernels, not
+# triton.language's jitted helpers (tl.zeros, tl.max, tl.sum): those were decorated when Triton
+# was first imported — torch may import it (torch.utils.flop_counter) before TRITON_INTERPRET
+# is set above — and a compiled-mode helper cannot run inside an interpreted kernel.
+
 
 @triton.jit
-def _fwd_kernel(Q, K, V, Out, L, n_q, n_k, groups, scale,
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _larger(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def row_max(x):
+    return tl.reduce(x, 1, _larger)
+
+
+@triton.jit
+def row_sum_of(x):
+    return tl.reduce(x, 1, _add)
+
+
+@triton.jit
+def flash_forward_kernel(Q, K, V, Out, L, n_q, n_k, groups, scale,
                 D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
                 BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
     # program (query block, batch*query head); every tensor contiguous (rows of D elements)
@@ -53,8 +78,8 @@ def _fwd_kernel(Q, K, V, Out, L, n_q, n_k, groups, scale,
     q = tl.load(Q + q_base + rows[:, None] * D + cols[None, :],
                 mask=row_ok[:, None] & col_ok[None, :], other=0.0)
     m = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_Q], tl.float32)
-    acc = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    row_sum = tl.full([BLOCK_Q], 0.0, tl.float32)
+    acc = tl.full([BLOCK_Q, BLOCK_D], 0.0, tl.float32)
     hi = n_k
     if CAUSAL:  # key blocks after this block's last query are fully masked: never visited
         hi = tl.minimum(n_k, (pid_q + 1) * BLOCK_Q)
@@ -69,10 +94,10 @@ def _fwd_kernel(Q, K, V, Out, L, n_q, n_k, groups, scale,
             visible = visible & (keys[None, :] <= rows[:, None])
         s = tl.where(visible, s, float("-inf"))
         # online softmax (Dao 2023, Alg. 1 lines 8-10): rescale what was summed under the old max
-        m_new = tl.maximum(m, tl.max(s, 1))
+        m_new = tl.maximum(m, row_max(s))
         p = tl.exp(s - m_new[:, None])
         alpha = tl.exp(m - m_new)
-        row_sum = alpha * row_sum + tl.sum(p, 1)
+        row_sum = alpha * row_sum + row_sum_of(p)
         acc = alpha[:, None] * acc + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     out = acc / row_sum[:, None]
@@ -82,7 +107,21 @@ def _fwd_kernel(Q, K, V, Out, L, n_q, n_k, groups, scale,
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, L, DELTA, DK, DV, n_q, n_k, groups, scale,
+def recompute_tile(q, k, v, do, lse, delta, rows, keys, n_q, n_k, scale,
+                   CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+    """P = exp(S - L) rebuilt from the saved logsumexp (recomputation), and
+    dS = P * (dO V^T - D) for one tile (Dao 2023, Alg. 2 lines 11-14); both backward kernels."""
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+    visible = (rows < n_q)[:, None] & (keys < n_k)[None, :]
+    if CAUSAL:
+        visible = visible & (keys[None, :] <= rows[:, None])
+    p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)  # P rebuilt from L: recomputation
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    return p, p * (dp - delta[:, None])
+
+
+@triton.jit
+def flash_backward_dkdv_kernel(Q, K, V, DO, L, DELTA, DK, DV, n_q, n_k, groups, scale,
                      D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
                      BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
     # program (key block, batch*query head): dK_j, dV_j stay in registers over all query blocks
@@ -94,8 +133,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, L, DELTA, DK, DV, n_q, n_k, groups, scale,
     kv_mask = (keys < n_k)[:, None] & (cols < D)[None, :]
     k = tl.load(K + kv_base + keys[:, None] * D + cols[None, :], mask=kv_mask, other=0.0)
     v = tl.load(V + kv_base + keys[:, None] * D + cols[None, :], mask=kv_mask, other=0.0)
-    dk = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_K, BLOCK_D], tl.float32)
+    dk = tl.full([BLOCK_K, BLOCK_D], 0.0, tl.float32)
+    dv = tl.full([BLOCK_K, BLOCK_D], 0.0, tl.float32)
     lo = 0
     if CAUSAL:  # query blocks ending before this key block see none of it
         lo = (pid_k * BLOCK_K // BLOCK_Q) * BLOCK_Q
@@ -106,14 +145,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, L, DELTA, DK, DV, n_q, n_k, groups, scale,
         do = tl.load(DO + q_base + rows[:, None] * D + cols[None, :], mask=q_mask, other=0.0)
         lse = tl.load(L + pid_h.to(tl.int64) * n_q + rows, mask=rows < n_q, other=0.0)
         delta = tl.load(DELTA + pid_h.to(tl.int64) * n_q + rows, mask=rows < n_q, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        visible = (rows < n_q)[:, None] & (keys < n_k)[None, :]
-        if CAUSAL:
-            visible = visible & (keys[None, :] <= rows[:, None])
-        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)  # P rebuilt from L: recomputation
+        p, ds = recompute_tile(q, k, v, do, lse, delta, rows, keys, n_q, n_k, scale, CAUSAL, PRECISION)
         dv += tl.dot(tl.trans(p.to(do.dtype)), do, input_precision=PRECISION)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
         dk += tl.dot(tl.trans(ds.to(q.dtype)), q, input_precision=PRECISION) * scale
     # per query head (fp32): a GQA group's heads are summed by the caller
     out = pid_h.to(tl.int64) * n_k * D + keys[:, None] * D + cols[None, :]
@@ -122,7 +155,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, L, DELTA, DK, DV, n_q, n_k, groups, scale,
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, L, DELTA, DQ, n_q, n_k, groups, scale,
+def flash_backward_dq_kernel(Q, K, V, DO, L, DELTA, DQ, n_q, n_k, groups, scale,
                    D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_Q: tl.constexpr,
                    BLOCK_K: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
     # program (query block, batch*query head): dQ_i stays in registers over the key blocks
@@ -136,7 +169,7 @@ def _bwd_dq_kernel(Q, K, V, DO, L, DELTA, DQ, n_q, n_k, groups, scale,
     do = tl.load(DO + q_base + rows[:, None] * D + cols[None, :], mask=q_mask, other=0.0)
     lse = tl.load(L + pid_h.to(tl.int64) * n_q + rows, mask=rows < n_q, other=0.0)
     delta = tl.load(DELTA + pid_h.to(tl.int64) * n_q + rows, mask=rows < n_q, other=0.0)
-    dq = tl.zeros([BLOCK_Q, BLOCK_D], tl.float32)
+    dq = tl.full([BLOCK_Q, BLOCK_D], 0.0, tl.float32)
     hi = n_k
     if CAUSAL:
         hi = tl.minimum(n_k, (pid_q + 1) * BLOCK_Q)
@@ -145,13 +178,7 @@ def _bwd_dq_kernel(Q, K, V, DO, L, DELTA, DQ, n_q, n_k, groups, scale,
         kv_mask = (keys < n_k)[:, None] & (cols < D)[None, :]
         k = tl.load(K + kv_base + keys[:, None] * D + cols[None, :], mask=kv_mask, other=0.0)
         v = tl.load(V + kv_base + keys[:, None] * D + cols[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        visible = (keys < n_k)[None, :]
-        if CAUSAL:
-            visible = visible & (keys[None, :] <= rows[:, None])
-        p = tl.where(visible, tl.exp(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
+        _, ds = recompute_tile(q, k, v, do, lse, delta, rows, keys, n_q, n_k, scale, CAUSAL, PRECISION)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION) * scale
     tl.store(DQ + q_base + rows[:, None] * D + cols[None, :], dq, mask=q_mask)
 
@@ -191,7 +218,7 @@ class FlashAttentionTritonFunction(torch.autograd.Function):
         lse = torch.empty(qf.shape[:-1], dtype=torch.float32, device=q.device)
         meta, args = _launch_args(qf, kf, groups, causal)
         grid = (triton.cdiv(qf.shape[-2], BLOCK), qf.shape[0])
-        _fwd_kernel[grid](qf, kf, vf, out, lse, *args, **meta)
+        flash_forward_kernel[grid](qf, kf, vf, out, lse, *args, **meta)
         out, lse = out.reshape(q.shape), lse.reshape(q.shape[:-1])
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal = bool(causal)
@@ -210,9 +237,9 @@ class FlashAttentionTritonFunction(torch.autograd.Function):
         dk = torch.empty(z_h, n_k, qf.shape[-1], dtype=torch.float32, device=q.device)
         dv = torch.empty_like(dk)
         dq = torch.empty(qf.shape, dtype=torch.float32, device=q.device)
-        _bwd_dkdv_kernel[(triton.cdiv(n_k, BLOCK), z_h)](qf, kf, vf, do, lse_f, delta, dk, dv,
+        flash_backward_dkdv_kernel[(triton.cdiv(n_k, BLOCK), z_h)](qf, kf, vf, do, lse_f, delta, dk, dv,
                                                          *args, **meta)
-        _bwd_dq_kernel[(triton.cdiv(n_q, BLOCK), z_h)](qf, kf, vf, do, lse_f, delta, dq,
+        flash_backward_dq_kernel[(triton.cdiv(n_q, BLOCK), z_h)](qf, kf, vf, do, lse_f, delta, dq,
                                                        *args, **meta)
         # a k/v head's gradient is the sum over its group of query heads (consecutive heads)
         dk = dk.reshape(-1, groups, n_k, qf.shape[-1]).sum(1).reshape(k.shape).to(k.dtype)

@@ -1,0 +1,68 @@
+"""Small models and data shared by the data-parallel tests (ZeRO, FSDP).
+
+Sizes are chosen so that sharding is awkward: ``Toy``'s parameters have 35, 7, 49, 7, 7, 7,
+..., 21 and 3 elements, none divisible by 2, 3 or 4 all together, so every shard boundary
+and every padding path is exercised. ``Branchy`` uses different parameters on different
+ranks (decided by the data) and one parameter no rank ever uses.
+"""
+
+import torch
+from torch import nn
+
+BATCH = 12  # global rows per step: divisible by 1, 2, 3 and 4 ranks
+
+
+class Block(nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.fc = nn.Linear(h, h)
+        self.ln = nn.LayerNorm(h)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(self.ln(x)))
+
+
+class Toy(nn.Module):
+    def __init__(self, n=3):
+        super().__init__()
+        self.inp = nn.Linear(5, 7)
+        self.blocks = nn.ModuleList(Block(7) for _ in range(n))
+        self.out = nn.Linear(7, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+class Branchy(nn.Module):
+    """Rank-dependent use: ``even`` only for inputs whose first feature is > 0, ``never`` never."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(5, 7)
+        self.even, self.odd, self.never = nn.Linear(7, 3), nn.Linear(7, 3), nn.Linear(7, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        pos = x[:, 0] > 0
+        out = torch.zeros(x.shape[0], 3)
+        if pos.any():
+            out[pos] = self.even(h[pos])
+        if (~pos).any():
+            out[~pos] = self.odd(h[~pos])
+        return out
+
+
+def toy_batch(step, rank=0, world=1):
+    """Step ``step``'s global batch (the same on every rank), and rank ``rank``'s slice of it:
+    the ranks' slices together are exactly what one process sees."""
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(BATCH, 5, generator=g), torch.randn(BATCH, 3, generator=g)
+    b = BATCH // world
+    return x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]
+
+
+def mse(out, y):
+    return ((out.float() - y) ** 2).mean()
