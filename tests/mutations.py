@@ -350,6 +350,92 @@ MUTATIONS = [
         "pos = torch.arange(idx.shape[1], device=idx.device)",
         [f"{CP_TESTS}::test_gpt_loss_curve_equals_one_process[2-zigzag-50]"],
     ),
+    Mutation(
+        "mesh: pipeline the fastest axis (TP ranks not adjacent)",
+        "minitrain/mesh.py",
+        "    for axis in reversed(AXES):  # tp, cp, dp, pp\n",
+        "    for axis in AXES:\n",
+        ["tests/test_mesh.py::test_coordinates_enumerate_the_grid_tp_fastest_pp_slowest[dp2-tp2-pp2]"],
+    ),
+    Mutation(
+        "compose: logged loss summed, not averaged, over data-parallel ranks",
+        "minitrain/compose.py",
+        "            t /= self.replicas",
+        "            t /= 1",
+        ["tests/test_train.py::test_loss_curve_equals_the_single_process[dp2]"],
+    ),
+    Mutation(
+        "compose: gradients averaged over DP only, not over DP x CP",
+        "minitrain/compose.py",
+        'self.mesh.group("dp_cp"), self.mesh.group("tp")',
+        'self.mesh.group("dp"), self.mesh.group("tp")',
+        ["tests/test_train.py::test_loss_curve_equals_the_single_process[tp2-pp2-cp2-microbatches2]"],
+    ),
+    Mutation(
+        "compose: ZeRO optimizer state not restored on resume",
+        "minitrain/compose.py",
+        '            self.wrapped.optimizer.load_state_dict(state["optimizer"])\n',
+        "            pass\n",
+        ["tests/test_train.py::test_command_logs_and_resumes_bit_exactly[dp2-zero2]"],
+    ),
+    Mutation(
+        "planner: a 1F1B stage holds all m micro-batches",
+        "minitrain/planner.py",
+        "    return min(layout.microbatches, layout.pp - stage)",
+        "    return layout.microbatches",
+        ["tests/test_train.py::test_planner_memory_equals_measured[pp2-microbatches4]"],
+    ),
+    Mutation(
+        "pipeline: 1F1B warm-up one forward too many",
+        "minitrain/pipeline/schedules.py",
+        "warmup = min(p - s - 1, m)",
+        "warmup = min(p - s, m)",
+        ["tests/test_pipeline.py::test_one_f_one_b_reference_point", "tests/grading/test_ch07_pipeline_parallel.py::test_one_f_one_b_order_bubble_and_memory"],
+    ),
+    Mutation(
+        "pipeline: 1F1B warm-up not capped at m (m < p)",
+        "minitrain/pipeline/schedules.py",
+        "warmup = min(p - s - 1, m)",
+        "warmup = p - s - 1",
+        ["tests/test_pipeline.py::test_gpipe_and_1f1b_bubble_and_memory", "tests/test_pipeline.py::test_every_schedule_matches_one_process"],
+    ),
+    Mutation(
+        "pipeline: DP gradients all-reduced after every micro-batch's backward",
+        "minitrain/pipeline/executor.py",
+        "            run_action(self, action, state)\n",
+        "            run_action(self, action, state)\n"
+        "            if dp_group is not None and action[0] != \"F\":\n"
+        "                average_gradients(self.parameters(), dp_group)\n",
+        ["tests/test_pipeline.py::test_pipeline_with_data_parallel_matches_one_process"],
+    ),
+    Mutation(
+        "pipeline: micro-batch loss not divided by the number of micro-batches",
+        "minitrain/pipeline/executor.py",
+        "out = loss / state.num_microbatches",
+        "out = loss",
+        ["tests/test_pipeline.py::test_every_schedule_matches_one_process", "tests/grading/test_ch07_pipeline_parallel.py::test_run_action_trains_like_one_process"],
+    ),
+    Mutation(
+        "pipeline: zero-bubble B also backpropagates into the weights (W adds them again)",
+        "minitrain/pipeline/executor.py",
+        "stage.backward(name, out, grad, inputs=[x], retain_graph=True)",
+        "stage.backward(name, out, grad, retain_graph=True)",
+        ["tests/test_pipeline.py::test_every_schedule_matches_one_process", "tests/grading/test_ch07_pipeline_parallel.py::test_run_action_trains_like_one_process"],
+    ),
+    Mutation(
+        "pipeline: interleaved backward visits the chunks in forward order",
+        "minitrain/pipeline/schedules.py",
+        "forwards, backwards = order(False), order(True)",
+        "forwards, backwards = order(False), order(False)",
+        ["tests/test_pipeline.py::test_interleaved_bubble_is_exact_when_p_divides_m"],
+    ),
+    Mutation(
+        "pipeline: the checker forgets that B waits for the next stage's B",
+        "minitrain/pipeline/check.py",
+        "        if virtual < last:\n",
+        "        if False:\n",
+        ["tests/test_pipeline.py::test_checker_finds_deadlock_and_malformed_schedules", "tests/test_pipeline.py::test_one_f_one_b_reference_point"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

@@ -68,7 +68,14 @@ CHAPTERS: dict[int, tuple[str, list[str]]] = {
             "minitrain.tensor_parallel.cross_entropy",
         ],
     ),
-    7: ("ex07_pipeline_parallel", ["minitrain.pipeline"]),
+    7: (
+        "ex07_pipeline_parallel",
+        [
+            "minitrain.pipeline.schedules",
+            "minitrain.pipeline.executor",
+            "minitrain.pipeline.check",
+        ],
+    ),
     8: ("ex08_mixture_of_experts", ["minitrain.moe"]),
     9: ("ex09_flash_attention", ["minitrain.flash_attention.tiles"]),
     10: (

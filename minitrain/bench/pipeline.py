@@ -1,0 +1,65 @@
+"""Benchmark: step time and measured bubble of each pipeline schedule, next to the formula.
+
+    python -m minitrain.bench pipeline [--quick] [--repeats 5]
+
+Three measurements, one launch each (minitrain.pipeline.measure.run_pipelines):
+1. the course's GPT, real compute, p = 2 ranks: step time (median of the repeats) and the
+   bubble measured from the trace against the unit-cost formula. On this 2-core machine the
+   two ranks share the cores with everything else, so expect only rough agreement;
+2. a **calibrated-sleep stage** (no model: each stage action sleeps ``unit``), p = 2: the
+   timeline depends on the schedule alone, and the bubble must be within 10 % of the formula;
+3. peak activation bytes per stage, GPT at p = 4, m = 8: measured (autograd's saved tensors)
+   against the in-flight formula (the stage's action order times each chunk's bytes).
+Formulas: (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al. 2019; Narayanan et al. 2021),
+(p-1)/(v*m+p-1) interleaved, ZB-H1's (p-1)(T_F+T_B-T_W) of idle time (Qi et al. 2024).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from minitrain.pipeline.measure import run_pipelines
+
+CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)]
+
+
+def _label(name, v):
+    return f"{name} (v={v})" if v > 1 else name
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minitrain.bench pipeline")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    repeats = 2 if args.quick else args.repeats
+    unit = 0.05 if args.quick else 0.1
+
+    m = 4
+    config = dict(vocab_size=128, seq_len=64, n_layer=4, n_head=4, d_model=128)
+    real = run_pipelines("gpt", 2, m, CASES, batch=4 * m, config=config, repeats=repeats, timeout=300)
+    print(f"1. the course's GPT, real compute, p = 2, m = {m} (median of {repeats} steps)")
+    print(f"{'schedule':<18}{'step ms':>9}{'bubble':>9}{'formula':>9}")
+    for key, e in real.items():
+        print(f"{_label(*key):<18}{1e3 * e['seconds']:>9.1f}{e['measured_bubble']:>9.3f}"
+              f"{e['predicted_bubble']:>9.3f}")
+
+    sleep = run_pipelines("sleep", 2, 2, CASES, unit=unit, repeats=max(3, repeats), timeout=300)
+    print(f"\n2. calibrated-sleep stage (no model: {1e3 * unit:.0f} ms per action), p = 2, m = 2")
+    print(f"{'schedule':<18}{'bubble':>9}{'formula':>9}{'within 10 %':>13}")
+    for key, e in sleep.items():
+        ok = abs(e["measured_bubble"] - e["predicted_bubble"]) <= 0.1 * e["predicted_bubble"]
+        print(f"{_label(*key):<18}{e['measured_bubble']:>9.3f}{e['predicted_bubble']:>9.3f}{ok!s:>13}")
+
+    mem = run_pipelines("gpt", 4, 8, CASES[:3], batch=8,
+                        config=dict(vocab_size=64, seq_len=32, n_layer=8, n_head=2, d_model=32),
+                        timeout=300)
+    print("\n3. peak activation bytes per stage, GPT, p = 4, m = 8: measured / in-flight formula")
+    for key, e in mem.items():
+        pairs = ", ".join(f"{a}/{b}" for a, b in zip(e["peak_bytes"], e["predicted_peak_bytes"]))
+        print(f"{_label(*key):<18}in flight {e['simulation'].peak_in_flight}: {pairs}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

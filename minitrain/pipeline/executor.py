@@ -1,0 +1,299 @@
+"""Run any pipeline schedule over send/recv: ``PipelineStage(model, group).train_step(...)``.
+
+Chapter 7, notebooks/07_pipeline_parallel.ipynb. GPipe (Huang et al. 2019), 1F1B and
+interleaved 1F1B (Narayanan et al. 2021, section 2.2), ZB-H1 (Qi et al. 2024).
+
+Public API (what later chapters compose with):
+
+    stage = PipelineStage(model, group=None, num_chunks=1, checkpointing=None, checkpoint_k=1)
+    loss = stage.train_step(inputs, targets, schedule, num_microbatches, dp_group=None)
+
+- ``model``: the course's GPT (dense, or already tensor-parallel through
+  ``minitrain.tensor_parallel.apply_tensor_parallel``, with or without sequence parallelism).
+  The stage keeps this rank's share *in place* and frees the rest: the embeddings on the first
+  stage, ``ln_f`` and ``head`` (and the loss) on the last, and its part of ``model.blocks``;
+  the blocks it does not own become ``nn.Identity``, so ``stage.model.named_parameters()``
+  keeps the dense model's names. Blocks are split over the ``p * num_chunks`` virtual stages
+  as evenly as possible, the first ``L mod V`` virtual stages getting one extra block
+  (``split_blocks``): the last stage already carries the head and the loss.
+- ``group``: the pipeline's process group (None: the default group); stage = rank in it.
+  With ``num_chunks = v``, chunk c of stage s holds virtual stage ``c * p + s``.
+- ``checkpointing``: a chapter-3 policy ("full", "every_k", "segments", "selective") applied
+  to each chunk's blocks with ``minitrain.checkpointing.set_checkpointing``.
+- ``schedule``: data — per stage, the ordered actions ``("F", mb)``, ``("B", mb)``, ``("W", mb)``
+  or ``(kind, mb, chunk)`` — or a name in ``schedules.SCHEDULES``, or a function
+  ``(p, m)`` / ``(p, m, v)`` returning it. It is checked (``check.simulate``) on every rank
+  before anything runs, so a deadlocking schedule raises on all ranks instead of hanging.
+- returns the mean loss over the micro-batches (= ``model.loss`` on the whole batch), a
+  0-dim tensor on *every* stage; gradients are accumulated in the stage's parameters (call
+  ``zero_grad`` yourself). With ``dp_group``, the gradients are averaged over it once, after
+  the last micro-batch (one all-reduce of one flat buffer).
+
+Shapes are never assumed: the first activation sent over a link for a given micro-batch
+shape carries a small header (ndim, shape, dtype), so a tensor-parallel stage receiving its
+sequence shard (SP) posts the right receive. Sends are ``isend`` (waited at the end of the
+step), receives are blocking ``recv`` with a tag per (micro-batch, chunk, direction).
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minitrain import trace
+from minitrain.checkpointing import set_checkpointing
+from minitrain.pipeline.check import simulate
+from minitrain.pipeline.partition import StageChunk, split_blocks
+from minitrain.pipeline.schedules import make_schedule
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+HEADER = 8  # ints: ndim, dtype index, up to 6 sizes
+HEADER_TAG = 1 << 20
+
+
+class StepState:
+    """What one training step remembers between actions."""
+
+    def __init__(self, inputs, targets, num_microbatches, split_backward):
+        self.inputs, self.targets = inputs, targets  # per micro-batch
+        self.num_microbatches = num_microbatches
+        self.split_backward = split_backward  # the schedule has W actions
+        self.saved = {}  # (mb, chunk) -> (input, output) kept for backward
+        self.pending_w = {}  # (mb, chunk) -> output gradient, for W
+        self.losses = []
+        self.sends = []  # (work, tensor): isends to wait for
+
+
+class PipelineStage(nn.Module):
+    """This rank's stage of a pipeline over ``group``; see the module docstring."""
+
+    def __init__(self, model, group=None, num_chunks=1, checkpointing=None, checkpoint_k=1):
+        super().__init__()
+        self.group = group
+        self.num_stages, self.stage = dist.get_world_size(group), dist.get_rank(group)
+        p, v = self.num_stages, num_chunks
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"num_chunks must be a positive int, got {v!r}")
+        if getattr(model.config, "tie_weights", False) and p > 1:
+            raise ValueError("tie_weights=True shares the head with the embedding, which live "
+                             f"on stages 0 and {p - 1}: build the model with tie_weights=False")
+        if "run_blocks" in vars(model):  # set_checkpointing(model) ran: its loop spans all blocks
+            raise ValueError("the model's blocks are already checkpointed as one loop; build the "
+                             "stage from the plain model and pass checkpointing=<policy>, which "
+                             "applies it to each chunk of this stage")
+        self.num_chunks = v
+        ranges = split_blocks(len(model.blocks), p * v)
+        mine = {c: ranges[c * p + self.stage] for c in range(v)}
+        self.chunks = [StageChunk(model, mine[c], c * p + self.stage == 0,
+                                  c * p + self.stage == p * v - 1) for c in range(v)]
+        owned = {i for r in mine.values() for i in r}
+        for i in range(len(model.blocks)):  # free what other stages compute
+            if i not in owned:
+                model.blocks[i] = nn.Identity()
+        if self.stage != 0:
+            model.tok_emb = model.pos_emb = None
+        if self.stage != p - 1:
+            model.ln_f = model.head = None
+        self.model = model
+        self.checkpointing = checkpointing
+        if checkpointing is not None:
+            for chunk in self.chunks:
+                set_checkpointing(chunk, checkpointing, checkpoint_k)
+        self._known_shapes, self._sent_shapes = {}, set()
+
+    # ------------------------------------------------------------------ topology
+    def virtual_stage(self, chunk: int) -> int:
+        return chunk * self.num_stages + self.stage
+
+    def is_first(self, chunk: int) -> bool:
+        return self.virtual_stage(chunk) == 0
+
+    def is_last(self, chunk: int) -> bool:
+        return self.virtual_stage(chunk) == self.num_stages * self.num_chunks - 1
+
+    def _rank_of(self, virtual: int) -> int:
+        local = virtual % self.num_stages
+        return local if self.group is None else dist.get_global_rank(self.group, local)
+
+    def _tag(self, kind: str, mb: int, virtual: int) -> int:
+        # one tag per message: a receive matches its own send whatever the order
+        return (mb * self.num_stages * self.num_chunks + virtual) * 2 + (kind == "B")
+
+    # ------------------------------------------------------------------ messages
+    def send(self, kind: str, mb: int, tensor: torch.Tensor, to_virtual: int, state) -> None:
+        """isend ``tensor`` (an activation for kind "F", a gradient for "B") to the stage
+        holding virtual stage ``to_virtual``; the tag names the receiving virtual stage."""
+        tensor = tensor.detach().contiguous()
+        dst = self._rank_of(to_virtual)
+        if kind == "F" and (to_virtual, state.key) not in self._sent_shapes:
+            header = torch.zeros(HEADER, dtype=torch.int64)
+            header[0], header[1] = tensor.dim(), DTYPES.index(tensor.dtype)
+            header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
+            state.sends.append((dist.isend(header, dst, self.group, HEADER_TAG + to_virtual), header))
+            self._sent_shapes.add((to_virtual, state.key))
+        with trace.span(f"send {kind}{mb}", "communication"):
+            work = dist.isend(tensor, dst, self.group, self._tag(kind, mb, to_virtual))
+        state.sends.append((work, tensor))
+
+    def recv(self, kind: str, mb: int, from_virtual: int, state, like=None) -> torch.Tensor:
+        """Receive micro-batch ``mb``'s activation ("F") or gradient ("B", shaped ``like``)
+        from the stage holding ``from_virtual``. Blocks until it arrives (traced as a wait)."""
+        me = from_virtual + (1 if kind == "F" else -1)  # the virtual stage receiving it
+        src = self._rank_of(from_virtual)
+        with trace.span(f"recv {kind}{mb}", "communication"):
+            if kind == "F":
+                if (me, state.key) not in self._known_shapes:
+                    header = torch.zeros(HEADER, dtype=torch.int64)
+                    dist.recv(header, src, self.group, HEADER_TAG + me)
+                    ndim = int(header[0])
+                    self._known_shapes[(me, state.key)] = (
+                        tuple(int(x) for x in header[2:2 + ndim]), DTYPES[int(header[1])])
+                shape, dtype = self._known_shapes[(me, state.key)]
+            else:
+                shape, dtype = like.shape, like.dtype
+            device = like.device if like is not None else next(self.parameters()).device
+            buffer = torch.empty(shape, dtype=dtype, device=device)
+            dist.recv(buffer, src, self.group, self._tag(kind, mb, me))
+        return buffer
+
+    # ------------------------------------------------------------------ compute
+    def forward(self, chunk: int, mb: int, x: torch.Tensor, state):
+        """Chunk ``chunk`` on ``x`` (micro-batch ``mb``'s tokens on the first virtual stage).
+        Returns (the activation its blocks started from — ``x``, or the embedding on the
+        first virtual stage — and the output: on the last virtual stage, the loss / m)."""
+        module = self.chunks[chunk]
+        sp = getattr(self.model, "sequence_parallel", False)  # dropout on shards: own stream
+        with trace.span(f"F{mb}" + (f".{chunk}" if self.num_chunks > 1 else ""), "compute"):
+            with self.model.tp_rng.fork(x.device) if sp else nullcontext():
+                if module.first:
+                    x = module.embed(x)
+                out = module(x)
+            if module.last:
+                loss = module.loss(out, state.targets[mb])
+                state.losses.append(loss.detach())
+                out = loss / state.num_microbatches  # the step's loss is the mean over m
+        return x, out
+
+    def backward(self, name: str, out, grad, inputs=None, retain_graph=False) -> None:
+        """``torch.autograd.backward`` of ``out`` with upstream ``grad`` (None for the loss),
+        into ``inputs`` only if given (zero bubble's B and W), traced as compute."""
+        with trace.span(name, "compute"):
+            torch.autograd.backward(out, grad, retain_graph=retain_graph, inputs=inputs)
+
+    def chunk_parameters(self, chunk: int) -> list:
+        chunk_module = self.chunks[chunk]
+        params = list(chunk_module.parameters())
+        gpt = chunk_module.gpt
+        if chunk_module.first:
+            params += list(gpt.tok_emb.parameters()) + list(gpt.pos_emb.parameters())
+        if chunk_module.last:
+            params += list(gpt.ln_f.parameters()) + list(gpt.head.parameters())
+        return [q for q in params if q.requires_grad]
+
+    # ------------------------------------------------------------------ the step
+    def _resolve(self, schedule, m):
+        p, v = self.num_stages, self.num_chunks
+        if isinstance(schedule, str):
+            schedule = make_schedule(schedule, p, m, v)
+        elif callable(schedule):
+            schedule = schedule(p, m, v) if v > 1 else schedule(p, m)
+        if len(schedule) != p:
+            raise ValueError(f"the schedule has {len(schedule)} stages, the pipeline {p}")
+        widths = {len(a) for stage in schedule for a in stage}
+        if v > 1 and widths != {3}:
+            raise ValueError(f"with num_chunks={v} every action must be (kind, mb, chunk)")
+        simulate(schedule, num_microbatches=m, num_chunks=v)  # raises ScheduleError: no hang
+        return schedule
+
+    def train_step(self, inputs, targets, schedule, num_microbatches: int, dp_group=None):
+        m, batch = num_microbatches, inputs.shape[0]
+        if not isinstance(m, int) or m < 1 or batch % m:
+            raise ValueError(f"{m} micro-batches do not divide the batch of {batch} sequences")
+        schedule = self._resolve(schedule, m)
+        split = any(a[0] == "W" for a in schedule[self.stage])
+        # chapter 3's checkpoint recomputes a block and backpropagates into its weights in
+        # one go, so with it B already does W's work (and W has nothing left to do)
+        # each micro-batch its own storage: memory accounting sees m separate inputs
+        state = StepState([t.clone() for t in inputs.chunk(m)],
+                          [t.clone() for t in targets.chunk(m)], m,
+                          split and self.checkpointing is None)
+        state.key = (tuple(inputs.shape[1:]), batch // m)
+        for action in schedule[self.stage]:
+            run_action(self, action, state)
+        for work, _ in state.sends:
+            work.wait()
+        last = self.num_stages - 1
+        loss = torch.stack(state.losses).mean() if self.stage == last else torch.zeros(())
+        if self.num_stages > 1:  # every stage returns the loss
+            dist.broadcast(loss, self._rank_of(last), self.group)
+        if dp_group is not None:
+            average_gradients(self.parameters(), dp_group)
+        return loss
+
+
+def average_gradients(params, group) -> None:
+    """Average ``.grad`` over ``group`` with one all-reduce of one flat buffer: once per step,
+    after the last micro-batch (per micro-batch would send m times the bytes)."""
+    grads = [q.grad for q in params if q.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def run_action(stage: PipelineStage, action: tuple, state: StepState) -> None:
+    """Run one action of ``stage``'s schedule: receive what it needs, compute, send.
+
+    - ``("F", mb[, c])``: the input is micro-batch ``mb``'s tokens on the first virtual stage,
+      else the activation received from virtual stage ``v - 1`` (made a leaf that requires
+      grad, so backward yields its gradient); ``stage.forward`` returns (input activation,
+      output); keep both in ``state.saved``; send the output to ``v + 1`` unless last.
+    - ``("B", mb[, c])``: the output gradient comes from virtual stage ``v + 1`` (none on the
+      last: the output is the loss); backpropagate; send the input's gradient to ``v - 1``
+      unless this is the first. With ``state.split_backward`` (zero bubble) backpropagate
+      into the input only, keep the graph (``retain_graph=True``) and park the gradient in
+      ``state.pending_w`` for W; otherwise drop the saved pair.
+    - ``("W", mb[, c])``: backpropagate the parked gradient into the chunk's parameters
+      (``stage.chunk_parameters(c)``) and drop the saved pair.
+    """
+    ### BEGIN SOLUTION
+    # HINT: v = stage.virtual_stage(c); activations go to v + 1, gradients to v - 1
+    # HINT: stage.send(kind, mb, tensor, to_virtual, state) / stage.recv(kind, mb, from_virtual, state, like=...)
+    kind, mb = action[0], action[1]
+    c = action[2] if len(action) > 2 else 0
+    v, key = stage.virtual_stage(c), (mb, c)
+    name = f"{kind}{mb}" + (f".{c}" if stage.num_chunks > 1 else "")
+    if kind == "F":
+        if stage.is_first(c):
+            x = state.inputs[mb]
+        else:
+            x = stage.recv("F", mb, v - 1, state).requires_grad_()
+        x, out = stage.forward(c, mb, x, state)
+        state.saved[key] = (x, out)
+        if not stage.is_last(c):
+            stage.send("F", mb, out, v + 1, state)
+    elif kind == "B":
+        x, out = state.saved[key]
+        grad = None if stage.is_last(c) else stage.recv("B", mb, v + 1, state, like=out)
+        if state.split_backward:  # the input gradient only; keep the graph for W
+            stage.backward(name, out, grad, inputs=[x], retain_graph=True)
+            state.pending_w[key] = grad
+        else:
+            stage.backward(name, out, grad)
+            del state.saved[key]
+        if not stage.is_first(c):
+            stage.send("B", mb, x.grad, v - 1, state)
+    elif kind == "W" and key in state.pending_w:
+        _, out = state.saved.pop(key)
+        stage.backward(name, out, state.pending_w.pop(key), inputs=stage.chunk_parameters(c))
+    ### END SOLUTION
+
+

@@ -1,0 +1,242 @@
+"""A layout planner: which DP × TP × PP × CP × ZeRO × checkpointing × micro-batch layout to run.
+
+Chapter 11, notebooks/11_putting_it_together.ipynb (and its widget). Given a model, a sequence
+length, a global batch and a cluster (devices, devices per node, memory per device, intra- and
+inter-node bandwidth, peak FLOP/s), ``plan`` enumerates layouts, predicts each one's memory per
+device and step time from the formulas of the earlier chapters, drops what does not fit and
+ranks the rest by time. Each fact comes from its chapter's public function:
+
+- bytes per parameter of a recipe (chapter 1/2, ``minitrain.memory``) sharded by ZeRO stage
+  (chapter 5, ``minitrain.zero.memory_formula``; Rajbhandari et al. 2020, Figure 1);
+- activation bytes per layer and rank under TP/SP (chapter 6,
+  ``tensor_parallel.measure.layer_activation_bytes``; Korthikanti et al. 2022, section 4);
+  full recomputation keeps one block input per layer (chapter 3);
+- in-flight micro-batches: GPipe all m, 1F1B p - stage on stage ``stage`` (chapter 7;
+  Narayanan et al. 2021, section 2.2), and the pipeline bubble (p - 1)/m;
+- communication time from chapter 4's α–β ring model (``cost_model.predict_all_reduce``),
+  with intra-node bandwidth for a group that fits in a node and inter-node otherwise;
+- compute: 6N + 12Lhs FLOPs per token (chapter 1, ``train_step.flops_per_token``; + one
+  forward, 4/3, with full recomputation) at an assumed MFU.
+
+The model is the course's GPT (``GPTConfig``): for another architecture pass a GPTConfig with
+the same width, depth, heads, vocabulary and an MLP width ``d_ff`` giving the same parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from minitrain.cost_model import predict_all_reduce
+from minitrain.model import GPTConfig
+from minitrain.pipeline import split_blocks
+from minitrain.tensor_parallel.measure import layer_activation_bytes
+from minitrain.train_step import flops_per_token
+from minitrain.zero import memory_formula
+
+BYTES_PER_ELEMENT = {"fp32": 4, "mixed": 2}  # activations and messages
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The hardware: bandwidths in bytes/s per device, memory in bytes, α in seconds."""
+
+    devices: int
+    devices_per_node: int
+    memory_per_device: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    peak_flops: float
+    mfu: float = 0.5
+    alpha: float = 10e-6
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    zero: int = 0
+    checkpointing: str = "none"  # or "full" (chapter 3)
+    microbatches: int = 1  # per step; with pp = 1, gradient-accumulation steps
+    schedule: str = "1f1b"
+    sequence_parallel: bool = False
+
+    def __str__(self):
+        sp = "+SP" if self.sequence_parallel else ""
+        ck = ", recompute" if self.checkpointing == "full" else ""
+        return (f"DP{self.dp}×TP{self.tp}{sp}×PP{self.pp}×CP{self.cp}, ZeRO-{self.zero}, "
+                f"m={self.microbatches} {self.schedule}{ck}")
+
+
+def params_per_rank(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
+    """Exact number of parameters pipeline stage ``stage`` of ``pp`` holds on one of ``tp``
+    tensor-parallel ranks, for the course's GPT split as chapters 6 and 7 split it.
+
+    Column-parallel Linears (q, k, v, fc_in, the head) keep 1/t of their weight and bias;
+    row-parallel ones (out_proj, fc_out) 1/t of their weight and a *whole* bias; LayerNorms
+    and the position table are replicated; the token embedding keeps 1/t of its rows. Stage 0
+    holds the embeddings, the last stage ln_f and the head, and the blocks are cut as
+    ``minitrain.pipeline.split_blocks`` cuts them (extras to the first stages).
+    """
+    ### BEGIN SOLUTION
+    # HINT: count one block's parameters with h = d_model, f = d_ff, then add the stage's ends
+    h, f, v, t = config.d_model, config.d_ff, config.vocab_size, tp
+    b = 1 if config.bias else 0
+    attention = 4 * h * h // t + b * (3 * h // t + h)
+    mlp = 2 * h * f // t + b * (f // t + h)
+    norms = 2 * (h + b * h)
+    total = len(split_blocks(config.n_layer, pp)[stage]) * (attention + mlp + norms)
+    if stage == 0:
+        total += v * h // t + config.seq_len * h
+    if stage == pp - 1:
+        total += (h + b * h) + v * h // t
+    return total
+    ### END SOLUTION
+
+
+def in_flight(layout: Layout, stage: int) -> int:
+    """Micro-batches whose activations a stage holds at once (chapter 7): GPipe all m,
+    1F1B at most p - stage; without a pipeline one (accumulation frees each)."""
+    if layout.pp == 1:
+        return 1
+    if layout.schedule == "gpipe":
+        return layout.microbatches
+    return min(layout.microbatches, layout.pp - stage)
+
+
+def activation_bytes(config: GPTConfig, layout: Layout, seq_len: int, global_batch: int,
+                     stage: int = 0, precision: str = "fp32") -> int:
+    """Bytes one rank of ``stage`` saves for backward at its peak (no dropout)."""
+    lo, e = layout, BYTES_PER_ELEMENT[precision]
+    mb = global_batch // (lo.dp * lo.microbatches)
+    s = seq_len // lo.cp  # context parallelism: each rank holds s / cp positions
+    args = dict(batch=mb, seq_len=s, d_model=config.d_model, n_head=config.n_head,
+                d_ff=config.d_ff, vocab_size=config.vocab_size, tp_size=lo.tp,
+                sequence_parallel=lo.sequence_parallel, bytes_per_element=e)
+    block = layer_activation_bytes("attention", **args) + layer_activation_bytes("mlp", **args)
+    layers = len(split_blocks(config.n_layer, lo.pp)[stage])
+    if lo.checkpointing == "full":  # one block input per layer; one block live in backward
+        kept = mb * s * config.d_model * e // (lo.tp if lo.sequence_parallel else 1)
+        per_mb, extra = layers * kept, block
+    else:
+        per_mb, extra = layers * block, 0
+    tokens = mb * s
+    if stage == 0:
+        per_mb += layer_activation_bytes("embedding", **args)
+        if lo.tp == 1:  # a dense embedding keeps no fp32 mask of "rows this rank owns"
+            per_mb -= 4 * tokens
+    if stage == lo.pp - 1:
+        per_mb += layer_activation_bytes("head", **args)
+        if lo.tp == 1:  # a dense loss keeps a 4-byte normaliser, not a 1-byte "mine" flag
+            per_mb += 4 - tokens
+    return in_flight(layout, stage) * per_mb + extra
+
+
+def memory_per_device(config: GPTConfig, layout: Layout, seq_len: int, global_batch: int,
+                      precision: str = "fp32") -> dict:
+    """Bytes per device of the fullest pipeline stage: params, grads, optimizer (ZeRO shards
+    them over the DP × CP ranks), activations, and their total."""
+    best = None
+    # the first stage holds the embedding, the most blocks and (1F1B) the most micro-batches;
+    # the last the head and loss: one of the two is the fullest
+    for stage in sorted({0, layout.pp - 1}):
+        n = params_per_rank(config, layout.tp, layout.pp, stage)
+        states = memory_formula(n, layout.dp * layout.cp, layout.zero, precision)
+        mem = {k: states[k] for k in ("params", "grads", "optimizer")}
+        mem["activations"] = activation_bytes(config, layout, seq_len, global_batch, stage,
+                                              precision)
+        mem["total"] = sum(mem.values())
+        mem["stage"] = stage
+        if best is None or mem["total"] > best["total"]:
+            best = mem
+    return best
+
+
+def _bandwidth(cluster: Cluster, stride: int, size: int) -> float:
+    """A group of ``size`` ranks ``stride`` apart stays in one node if it spans ≤ a node."""
+    inside = stride * size <= cluster.devices_per_node
+    return cluster.intra_node_bandwidth if inside else cluster.inter_node_bandwidth
+
+
+def step_time(config: GPTConfig, layout: Layout, seq_len: int, global_batch: int,
+              cluster: Cluster, precision: str = "mixed") -> dict:
+    """Predicted seconds per step: compute at ``cluster.mfu``, the pipeline bubble, and each
+    group's communication (not overlapped: an upper bound)."""
+    lo, c, e = layout, cluster, BYTES_PER_ELEMENT[precision]
+    a, h = c.alpha, config.d_model
+    recompute = 4 / 3 if lo.checkpointing == "full" else 1.0
+    flops = flops_per_token(config, seq_len) * global_batch * seq_len * recompute
+    out = {"compute": flops / (c.devices * c.peak_flops * c.mfu)}
+    out["bubble"] = out["compute"] * (lo.pp - 1) / lo.microbatches
+    mb = global_batch // (lo.dp * lo.microbatches)
+    act = mb * (seq_len // lo.cp) * h * e  # one micro-batch's hidden states on a rank
+    layers = max(len(r) for r in split_blocks(config.n_layer, lo.pp))
+    # TP: 2 all-reduces forward, 2 backward per layer and micro-batch (+2 when recomputing)
+    per_layer = 4 + (2 if lo.checkpointing == "full" else 0)
+    beta_tp = 1 / _bandwidth(c, 1, lo.tp)
+    out["tp"] = per_layer * layers * lo.microbatches * predict_all_reduce("ring", act, lo.tp, a,
+                                                                          beta_tp)
+    # CP: ring attention passes K and V around the ring, forward once, backward twice
+    beta_cp = 1 / _bandwidth(c, lo.tp, lo.cp)
+    out["cp"] = 3 * layers * lo.microbatches * (lo.cp - 1) * (a + 2 * act * beta_cp)
+    # PP: per micro-batch an activation forward and a gradient backward
+    beta_pp = 1 / _bandwidth(c, lo.tp * lo.cp * lo.dp, lo.pp)
+    out["pp"] = 2 * lo.microbatches * (a + act * beta_pp) if lo.pp > 1 else 0.0
+    grads = max(params_per_rank(config, lo.tp, lo.pp, s) for s in range(lo.pp)) * e
+    beta_dp = 1 / _bandwidth(c, lo.tp, lo.cp * lo.dp)
+    volume = 1.5 if lo.zero == 3 else 1.0  # ZeRO §7: 3Ψ instead of 2Ψ
+    out["dp"] = volume * predict_all_reduce("ring", grads, lo.dp * lo.cp, a, beta_dp)
+    out["total"] = sum(out.values())
+    return out
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def enumerate_layouts(config: GPTConfig, seq_len: int, global_batch: int, devices: int,
+                      devices_per_node: int, zero_stages=(0, 1, 2, 3),
+                      checkpointing=("none", "full"), max_cp: int = 16) -> list[Layout]:
+    """Every layout the course's techniques can run: TP inside a node dividing the heads, PP
+    up to the layers, CP dividing the sequence, micro-batch counts dividing the local batch."""
+    out = []
+    for tp in _divisors(devices, devices_per_node):
+        if config.n_head % tp or config.d_ff % tp or config.vocab_size % tp:
+            continue
+        for pp in _divisors(devices // tp, config.n_layer):
+            for cp in _divisors(devices // (tp * pp), max_cp):
+                if seq_len % (2 * cp if cp > 1 else 1):
+                    continue
+                dp = devices // (tp * pp * cp)
+                if global_batch % dp:
+                    continue
+                local = global_batch // dp
+                counts = [m for m in _divisors(local, local) if pp == 1 or m >= pp]
+                for m in counts:
+                    for zero in zero_stages:
+                        if zero > 1 and pp > 1:  # not combined (see minitrain.compose)
+                            continue
+                        for ck in checkpointing:
+                            out.append(Layout(dp, tp, pp, cp, zero, ck, m, "1f1b", tp > 1))
+    return out
+
+
+def plan(config: GPTConfig, seq_len: int, global_batch: int, cluster: Cluster,
+         precision: str = "mixed", top: int | None = 10, **enumerate_kw) -> list[dict]:
+    """Layouts that fit ``cluster.memory_per_device``, fastest first: dicts with "layout",
+    "memory" (bytes by part) and "time" (seconds by part)."""
+    rows = []
+    for lo in enumerate_layouts(config, seq_len, global_batch, cluster.devices,
+                                cluster.devices_per_node, **enumerate_kw):
+        mem = memory_per_device(config, lo, seq_len, global_batch, precision)
+        if mem["total"] > cluster.memory_per_device:
+            continue
+        rows.append({"layout": lo, "memory": mem,
+                     "time": step_time(config, lo, seq_len, global_batch, cluster, precision)})
+    rows.sort(key=lambda r: (r["time"]["total"], r["memory"]["total"]))
+    return rows[:top] if top else rows
+
+
+def layout_dict(layout: Layout) -> dict:
+    return asdict(layout)

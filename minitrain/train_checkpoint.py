@@ -1,0 +1,119 @@
+"""Sharded, atomic training checkpoints for a run on a device mesh (``python -m minitrain.train``).
+
+Chapter 11, notebooks/11_putting_it_together.ipynb. Chapter 5's ``minitrain.zero.checkpoint``
+saves the shards of *one* data-parallel group; on a mesh there is one such group per
+(tensor, pipeline) coordinate, so here every global rank writes its own file and rank 0
+the metadata, with the same safety rules (its ``latest_checkpoint`` and ``CheckpointError``
+are reused):
+
+- everything goes into ``step_N.partial/``, each file written to a temporary name, flushed
+  and renamed; once every rank has written, rank 0 renames the directory to ``step_N/``.
+  A crash or Ctrl-C at any moment leaves the previous ``step_M/`` whole;
+- loading checks the metadata (same model, same layout) and each rank's file (readable, same
+  id), and every rank agrees on the verdict before anything changes: a corrupt file or a
+  checkpoint of another layout is a ``CheckpointError`` naming it, on every rank, no hang.
+
+A rank's file holds what continuing *bit-exactly* needs: its parameter shards, its optimizer
+state, the RNG state, and the step (the data position: batches are a function of the step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from minitrain.zero import CheckpointError, latest_checkpoint
+
+__all__ = ["CheckpointError", "latest_checkpoint", "load_run", "save_run"]
+
+
+def _agree(error, what: str) -> None:
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    found = list(dict.fromkeys(e for e in errors if e))
+    if found:
+        raise CheckpointError(f"{what}: " + "; ".join(found))
+
+
+def _write(path: str, write) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as fh:
+        write(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+
+
+def save_run(directory: str, step: int, state: dict, identity: dict) -> str:
+    """Collectively write ``directory/step_<step>/``; ``state``: this rank's tensors and data,
+    ``identity``: what must match to load (model config, layout). Returns the path."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    final = os.path.join(directory, f"step_{step:08d}")
+    partial = final + ".partial"
+    error = None
+    if rank == 0:
+        try:
+            if os.path.exists(final):
+                shutil.rmtree(final)  # an older run's step N: this run's replaces it
+            shutil.rmtree(partial, ignore_errors=True)  # left by an interrupted save
+            os.makedirs(partial)
+        except OSError as exc:
+            error = f"cannot create {partial}: {exc}"
+    _agree(error, "saving a checkpoint")
+    ident = [uuid.uuid4().hex if rank == 0 else None]
+    dist.broadcast_object_list(ident, src=0)
+    meta = {"id": ident[0], "step": step, "world_size": world, **identity}
+    try:
+        _write(os.path.join(partial, f"rank_{rank:05d}.pt"),
+               lambda fh: torch.save({"meta": {**meta, "rank": rank}, "state": state}, fh))
+    except Exception as exc:  # e.g. disk full: every rank must hear of it
+        error = f"rank {rank} could not write its file in {partial}: {exc}"
+    _agree(error, "saving a checkpoint")
+    if rank == 0:
+        text = json.dumps(meta, indent=1)
+        _write(os.path.join(partial, "meta.json"), lambda fh: fh.write(text.encode()))
+        os.replace(partial, final)  # the checkpoint appears whole, or not at all
+    dist.barrier()
+    return final
+
+
+def load_run(path: str, identity: dict) -> tuple[int, dict]:
+    """Collectively read ``path``; return (step, this rank's state). Raises CheckpointError on
+    every rank if the checkpoint is unreadable, truncated, or from another model or layout."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    error, payload, meta = None, None, None
+    meta_path = os.path.join(path, "meta.json")
+    try:
+        with open(meta_path) as fh:
+            meta = json.load(fh)
+        for key, value in identity.items():
+            if meta.get(key) != value:
+                raise CheckpointError(
+                    f"checkpoint {path} was written with {key} = {meta.get(key)}, but this run "
+                    f"has {key} = {value} (start a new --checkpoint-dir, or use the same layout)")
+        if meta.get("world_size") != world:
+            raise CheckpointError(f"checkpoint {path} has {meta.get('world_size')} ranks, "
+                                  f"this run {world}")
+        file = os.path.join(path, f"rank_{rank:05d}.pt")
+        try:
+            payload = torch.load(file, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint file {file} is missing") from None
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint file {file} cannot be read (truncated or "
+                                  f"corrupt?): {type(exc).__name__}: {str(exc)[:150]}") from None
+        mine = payload.get("meta", {})
+        if mine.get("id") != meta["id"] or mine.get("rank") != rank:
+            raise CheckpointError(f"checkpoint file {file} belongs to another checkpoint "
+                                  f"(id {mine.get('id')}, rank {mine.get('rank')})")
+    except CheckpointError as exc:
+        error = f"rank {rank}: {exc}"
+    except (OSError, ValueError, KeyError) as exc:
+        error = f"rank {rank}: checkpoint metadata {meta_path} is missing or invalid: {exc}"
+    _agree(error, f"cannot resume from {path}")
+    return meta["step"], payload["state"]

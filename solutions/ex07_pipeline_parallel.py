@@ -1,0 +1,127 @@
+"""Chapter 7 solutions — generated from minitrain.pipeline.schedules, minitrain.pipeline.executor, minitrain.pipeline.check.
+
+The worked answers. Look one up when you are stuck; the library has them too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from contextlib import nullcontext
+from dataclasses import dataclass
+from fractions import Fraction
+from torch import nn
+from minitrain import trace
+from minitrain.checkpointing import set_checkpointing
+from minitrain.pipeline.check import ScheduleError, dependencies, simulate
+from minitrain.pipeline.executor import PipelineStage, StepState
+from minitrain.pipeline.partition import StageChunk, split_blocks
+from minitrain.pipeline.schedules import check_sizes, make_schedule
+
+
+def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> list[list[tuple]]:
+    """1F1B, PipeDream-Flush (Narayanan et al. 2021, section 2.2, Figure 4, top).
+
+    Stage s runs ``p - s - 1`` warm-up forwards (capped at m), then alternates one forward
+    and one backward, then drains the remaining backwards. It finishes as early as GPipe
+    (bubble (p-1)/(m+p-1) under unit costs) but holds at most ``p - s`` micro-batches'
+    activations on stage s instead of m.
+    """
+    check_sizes(num_stages, num_microbatches)
+    ### BEGIN SOLUTION
+    # HINT: stage s can start its first backward only after the last stage has run its
+    # HINT: forward of micro-batch 0: it needs p - s - 1 forwards of head start, then one more.
+    p, m = num_stages, num_microbatches
+    schedule = []
+    for s in range(p):
+        warmup = min(p - s - 1, m)
+        actions = [("F", mb) for mb in range(warmup)]
+        for i in range(m - warmup):  # steady state: one forward, one backward
+            actions += [("F", warmup + i), ("B", i)]
+        actions += [("B", mb) for mb in range(m - warmup, m)]  # cool-down
+        schedule.append(actions)
+    return schedule
+    ### END SOLUTION
+
+
+def run_action(stage: PipelineStage, action: tuple, state: StepState) -> None:
+    """Run one action of ``stage``'s schedule: receive what it needs, compute, send.
+
+    - ``("F", mb[, c])``: the input is micro-batch ``mb``'s tokens on the first virtual stage,
+      else the activation received from virtual stage ``v - 1`` (made a leaf that requires
+      grad, so backward yields its gradient); ``stage.forward`` returns (input activation,
+      output); keep both in ``state.saved``; send the output to ``v + 1`` unless last.
+    - ``("B", mb[, c])``: the output gradient comes from virtual stage ``v + 1`` (none on the
+      last: the output is the loss); backpropagate; send the input's gradient to ``v - 1``
+      unless this is the first. With ``state.split_backward`` (zero bubble) backpropagate
+      into the input only, keep the graph (``retain_graph=True``) and park the gradient in
+      ``state.pending_w`` for W; otherwise drop the saved pair.
+    - ``("W", mb[, c])``: backpropagate the parked gradient into the chunk's parameters
+      (``stage.chunk_parameters(c)``) and drop the saved pair.
+    """
+    ### BEGIN SOLUTION
+    # HINT: v = stage.virtual_stage(c); activations go to v + 1, gradients to v - 1
+    # HINT: stage.send(kind, mb, tensor, to_virtual, state) / stage.recv(kind, mb, from_virtual, state, like=...)
+    kind, mb = action[0], action[1]
+    c = action[2] if len(action) > 2 else 0
+    v, key = stage.virtual_stage(c), (mb, c)
+    name = f"{kind}{mb}" + (f".{c}" if stage.num_chunks > 1 else "")
+    if kind == "F":
+        if stage.is_first(c):
+            x = state.inputs[mb]
+        else:
+            x = stage.recv("F", mb, v - 1, state).requires_grad_()
+        x, out = stage.forward(c, mb, x, state)
+        state.saved[key] = (x, out)
+        if not stage.is_last(c):
+            stage.send("F", mb, out, v + 1, state)
+    elif kind == "B":
+        x, out = state.saved[key]
+        grad = None if stage.is_last(c) else stage.recv("B", mb, v + 1, state, like=out)
+        if state.split_backward:  # the input gradient only; keep the graph for W
+            stage.backward(name, out, grad, inputs=[x], retain_graph=True)
+            state.pending_w[key] = grad
+        else:
+            stage.backward(name, out, grad)
+            del state.saved[key]
+        if not stage.is_first(c):
+            stage.send("B", mb, x.grad, v - 1, state)
+    elif kind == "W" and key in state.pending_w:
+        _, out = state.saved.pop(key)
+        stage.backward(name, out, state.pending_w.pop(key), inputs=stage.chunk_parameters(c))
+    ### END SOLUTION
+
+
+def bubble_fraction(schedule, num_chunks: int = 1) -> Fraction:
+    """The idle fraction of ``schedule`` under unit stage costs: every action of a stage (F,
+    B or W) takes 1, a chunk's 1/v. Run the schedule in time: each stage runs its actions in
+    order, an action starting when its stage is free and every action it depends on
+    (``dependencies(action, stage, p, v)``: keys ``(kind, mb, chunk, stage)``) has finished.
+    Return 1 - (total busy time of all stages) / (p x makespan) as a Fraction; raise
+    ScheduleError if no stage can go on (a deadlock). Narayanan et al. 2021, section 2.2.
+    """
+    ### BEGIN SOLUTION
+    # HINT: keep per stage the time it becomes free and the index of its next action;
+    # HINT: sweep the stages repeatedly, running each next action whose dependencies finished.
+    p, cost = len(schedule), Fraction(1, num_chunks)
+    finish, free, position = {}, [Fraction(0)] * p, [0] * p
+    while any(position[s] < len(schedule[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            while position[s] < len(schedule[s]):
+                action = schedule[s][position[s]]
+                deps = dependencies(action, s, p, num_chunks)
+                if any(d not in finish for d in deps):
+                    break
+                free[s] = max([free[s]] + [finish[d] for d in deps]) + cost
+                chunk = action[2] if len(action) > 2 else 0
+                finish[(action[0], action[1], chunk, s)] = free[s]
+                position[s] += 1
+                progressed = True
+        if not progressed:
+            raise ScheduleError(f"the schedule deadlocks at actions {position} of each stage")
+    busy = cost * sum(len(stage) for stage in schedule)
+    return 1 - busy / (p * max(free))
+    ### END SOLUTION
+
+# minitrain-exercises-hash: b17b3a8e1badcae1
