@@ -69,7 +69,10 @@ CHAPTERS: dict[int, tuple[str, list[str]]] = {
         ],
     ),
     7: ("ex07_pipeline_parallel", ["minitrain.pipeline"]),
-    8: ("ex08_mixture_of_experts", ["minitrain.moe"]),
+    8: (
+        "ex08_mixture_of_experts",
+        ["minitrain.moe.router", "minitrain.moe.dispatch", "minitrain.moe.losses"],
+    ),
     9: ("ex09_flash_attention", ["minitrain.flash_attention"]),
     10: ("ex10_context_parallel", ["minitrain.context_parallel"]),
     11: ("ex11_putting_it_together", ["minitrain.mesh", "minitrain.planner", "minitrain.train"]),

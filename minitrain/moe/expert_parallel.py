@@ -50,7 +50,7 @@ class ExpertParallelMoE(nn.Module):
         self.last_routing = None
 
     @classmethod
-    def from_local(cls, layer: MoELayer, group=None) -> "ExpertParallelMoE":
+    def from_local(cls, layer: MoELayer, group=None) -> ExpertParallelMoE:
         """The same weights as ``layer``; this rank keeps its contiguous share of experts."""
         world, rank = dist.get_world_size(group), dist.get_rank(group)
         if layer.num_experts % world:

@@ -40,7 +40,7 @@ class Experts(nn.Module):
             outs.append(hidden @ self.w_out[e] + self.b_out[e])
         return torch.cat(outs) if outs else sorted_rows.new_zeros(0, self.d_model)
 
-    def shard(self, first: int, count: int) -> "Experts":
+    def shard(self, first: int, count: int) -> Experts:
         """A copy holding experts [first, first + count) (same values, own parameters)."""
         part = Experts.__new__(Experts)
         nn.Module.__init__(part)

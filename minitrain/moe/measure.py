@@ -49,9 +49,9 @@ def parameter_counts(model: torch.nn.Module) -> dict:
 
 
 def train_load_history(balancing: str = "aux_loss", aux_loss_weight: float = 0.01,
-                       steps: int = 40, num_experts: int = 8, top_k: int = 1,
+                       steps: int = 60, num_experts: int = 8, top_k: int = 1,
                        capacity_factor: float | None = None, batch_size: int = 16,
-                       lr: float = 3e-3, bias_update_rate: float = 0.01, seed: int = 0,
+                       lr: float = 1e-2, bias_update_rate: float = 0.01, seed: int = 0,
                        config: dict | None = None) -> dict:
     """Train the MoE GPT for ``steps`` steps; per step: each MoE layer's load (tokens per
     expert, counted before capacity drops: the demand), imbalance averaged over the layers,
