@@ -62,7 +62,7 @@ def train_load_history(balancing: str = "aux_loss", aux_loss_weight: float = 0.0
                       balancing=balancing, aux_loss_weight=aux_loss_weight,
                       bias_update_rate=bias_update_rate)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    history = {"load": [], "imbalance": [], "dropped": [], "loss": []}
+    history = {"load": [], "imbalance": [], "dropped": [], "loss": [], "model": model}
     for step in range(steps):
         x, y = get_batch(step, batch_size, vocab_size=cfg.vocab_size, seq_len=cfg.seq_len,
                          seed=seed)
@@ -84,22 +84,32 @@ def train_load_history(balancing: str = "aux_loss", aux_loss_weight: float = 0.0
     return history
 
 
-def routing_table(layer: MoELayer, chunks: list[torch.Tensor]) -> dict:
-    """Tokens from each rank's chunk per expert, from a real forward of ``layer``: what
-    ``ExpertParallelMoE`` sends from rank r to expert e (it routes each rank's tokens exactly
-    as the local layer routes that chunk, which the tests check)."""
-    layer.eval()
+def routing_table(model: torch.nn.Module, idx: torch.Tensor, world: int, layer: int = 0,
+                  capacity_factor: float | None = None) -> dict:
+    """Tokens each rank sends to each expert of MoE layer ``layer``, from a real forward of
+    ``model`` on each rank's slice of the batch ``idx`` (as data and expert parallelism
+    split it): what ``ExpertParallelMoE`` sends from rank r to expert e, since it routes each
+    rank's tokens exactly as the local layer routes that slice (the tests check it).
+    ``capacity_factor`` is applied for this forward only."""
+    moe = moe_layers(model)[layer]
+    saved, moe.router.capacity_factor = moe.router.capacity_factor, capacity_factor
+    was_training = model.training
+    model.eval()
     counts, dropped, assigned = [], 0, 0
-    with torch.no_grad():
-        for chunk in chunks:
-            layer(chunk)
-            r = layer.last_routing
-            counts.append(r.load.tolist())
-            dropped += int((~r.keep).sum())
-            assigned += r.keep.numel()
-    total = torch.tensor(counts).sum(dim=0)
+    try:
+        with torch.no_grad():
+            for chunk in idx.chunk(world):
+                model(chunk)
+                r = moe.last_routing
+                counts.append(r.load.tolist())
+                dropped += int((~r.keep).sum())
+                assigned += r.keep.numel()
+    finally:
+        moe.router.capacity_factor = saved
+        model.train(was_training)
     return {"counts": counts, "dropped_fraction": dropped / assigned,
-            "imbalance": imbalance(total), "capacity": layer.last_routing.capacity}
+            "imbalance": imbalance(torch.tensor(counts).sum(dim=0)),
+            "capacity": moe.last_routing.capacity}
 
 
 def expert_parallel_step(tokens: int = 256, d_model: int = 32, d_ff: int = 64,
