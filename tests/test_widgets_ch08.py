@@ -38,5 +38,7 @@ def test_widget_updates_headlessly():
     assert "capacity factor 0.5" in status.value and "dropped 0.0 %" not in status.value
     top_k.value = 2
     assert "top-2" in status.value
+    weight.value = 0.1
+    assert "(weight 0.1)" in status.value
     method.value = "bias"
     assert status.value.startswith("bias") and bytes(image.value) != picture

@@ -37,8 +37,12 @@ QUICK = dict(tokens=256, d_model=64, d_ff=256, num_experts=4, top_k=2)
 
 
 def _rank_measure(size, steps):
-    from minitrain.moe import ExpertParallelMoE, MoELayer, communication_log
-    from minitrain.moe import reset_communication_log
+    from minitrain.moe import (
+        ExpertParallelMoE,
+        MoELayer,
+        communication_log,
+        reset_communication_log,
+    )
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
