@@ -301,6 +301,26 @@ MUTATIONS = [
         "f = counts / router_probs.shape[0]",
         ["tests/test_moe.py::test_load_balancing_loss_against_the_formula", "tests/grading/test_ch08_mixture_of_experts.py::test_load_balancing_loss"],
     ),
+    Mutation(
+        "MoE: aux loss not carried in backward (lost under activation checkpointing)",
+        "minitrain/moe/layer.py",
+        "if self.aux_loss_in_backward and torch.is_grad_enabled()",
+        "if False and torch.is_grad_enabled()",
+        [
+            "tests/test_moe.py::test_moe_gpt_adds_aux_loss_and_trains",
+            "tests/test_moe.py::test_expert_parallel_gpt_with_data_parallel_rest_equals_local[checkpointed]",
+        ],
+    ),
+    Mutation(
+        "MoE: expert gradients not divided by the expert-parallel size",
+        "minitrain/moe/expert_parallel.py",
+        """        for p in self.experts.parameters():
+            if p.grad is not None:
+                p.grad /= self.world""",
+        """        for p in self.experts.parameters():
+            pass""",
+        ["tests/test_moe.py::test_expert_parallel_equals_the_local_layer[2-2]"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

@@ -181,6 +181,17 @@ def test_moe_gpt_adds_aux_loss_and_trains():
     torch.testing.assert_close(loss, model.loss(x, y) + moe_aux_loss(model))
     loss.backward()
     assert model.blocks[0].mlp.router.gate.weight.grad.abs().sum() > 0
+    # the aux loss rides on the layers' backward: the same gradients as adding it explicitly
+    import copy
+
+    explicit = copy.deepcopy(model)
+    explicit.zero_grad()
+    for m in explicit.modules():
+        if isinstance(m, MoELayer):
+            m.aux_loss_in_backward = False
+    (explicit.loss(x, y) + moe_aux_loss(explicit)).backward()
+    for (name, a), b in zip(model.named_parameters(), explicit.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, msg=f"{name}: aux gradient differs")
     counts = parameter_counts(model)
     per_expert = 2 * 16 * 64 + 64 + 16
     assert counts["total"] - counts["active"] == 2 * (4 - 2) * per_expert
@@ -330,3 +341,55 @@ def _bias_case():
 
 def test_expert_parallel_bias_update_equals_local():
     assert launch(_bias_case, 2, timeout=60) == [0.0, 0.0]
+
+
+def _ep_gpt_case(checkpointing):
+    """The MoE GPT, expert-parallel over the ranks with the rest data-parallel (each rank its
+    slice of the batch), optionally with every block checkpointed: loss and every gradient
+    equal the local model's for the mean of the ranks' losses."""
+    import copy
+
+    import torch.distributed as dist
+
+    from minitrain.checkpointing import set_checkpointing
+    from minitrain.data import get_batch
+    from minitrain.model import GPT, GPTConfig
+    from minitrain.moe import (
+        apply_expert_parallel,
+        apply_moe,
+        expert_parallel_gradient_sync,
+        moe_training_loss,
+        set_aux_loss_scale,
+    )
+
+    rank, P = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, d_model=16)
+    local = apply_moe(GPT(cfg), num_experts=4, top_k=2, capacity_factor=1.0, z_loss_weight=1e-3)
+    ep = apply_expert_parallel(copy.deepcopy(local))
+    if checkpointing:
+        set_checkpointing(ep, "full")
+    batches = [get_batch(0, 4 * P, r, P, vocab_size=32, seq_len=8) for r in range(P)]
+    set_aux_loss_scale(local, 1 / P)  # the reference averages P losses in one backward
+    losses = [moe_training_loss(local, x, y) for x, y in batches]
+    (sum(losses) / P).backward()
+    loss = moe_training_loss(ep, *batches[rank])
+    loss.backward()
+    expert_parallel_gradient_sync(ep)
+    diffs = {"loss": abs(loss.item() - losses[rank].item())}
+    reference = dict(local.named_parameters())
+    per = 4 // P
+    for name, p in ep.named_parameters():
+        want = reference[name].grad
+        if ".experts." in name:
+            want = want[rank * per:(rank + 1) * per]
+        diffs[name] = (p.grad - want).abs().max().item()
+    return diffs
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_expert_parallel_gpt_with_data_parallel_rest_equals_local(checkpointing):
+    for rank, diffs in enumerate(launch(_ep_gpt_case, 2, checkpointing, timeout=90)):
+        worst = max(diffs, key=diffs.get)
+        assert diffs[worst] < 1e-5, f"rank {rank}: {worst} differs by {diffs[worst]}"
+        assert any(".router." in n for n in diffs) and any(".experts." in n for n in diffs)

@@ -12,7 +12,15 @@ z-loss), ``dispatch.py`` (sort by expert and its inverse), ``experts.py``, ``lay
 """
 
 from minitrain.moe.all_to_all import check_splits, communication_log, reset_communication_log
-from minitrain.moe.apply import apply_moe, moe_aux_loss, moe_layers, moe_training_loss
+from minitrain.moe.apply import (
+    apply_expert_parallel,
+    apply_moe,
+    expert_parallel_gradient_sync,
+    moe_aux_loss,
+    moe_layers,
+    moe_training_loss,
+    set_aux_loss_scale,
+)
 from minitrain.moe.dispatch import sort_by_expert, unsort
 from minitrain.moe.expert_parallel import ExpertParallelMoE
 from minitrain.moe.experts import Experts
@@ -26,16 +34,19 @@ __all__ = [
     "MoELayer",
     "Routing",
     "TopKRouter",
+    "apply_expert_parallel",
     "apply_moe",
     "check_splits",
     "communication_log",
     "expert_capacity",
+    "expert_parallel_gradient_sync",
     "load_balancing_loss",
     "moe_aux_loss",
     "moe_layers",
     "moe_training_loss",
     "reset_communication_log",
     "router_z_loss",
+    "set_aux_loss_scale",
     "sort_by_expert",
     "top_k_routing",
     "unsort",

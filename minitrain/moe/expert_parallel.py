@@ -40,6 +40,9 @@ from minitrain.moe.layer import MoELayer
 class ExpertParallelMoE(nn.Module):
     """An ``MoELayer`` whose experts are spread over the ranks of ``group``."""
 
+    aux_loss_in_backward = False
+    aux_loss_scale = 1.0
+
     def __init__(self, router, experts, num_experts: int, top_k: int, group=None):
         super().__init__()
         self.router, self.experts, self.group = router, experts, group
@@ -57,8 +60,11 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"num_experts={layer.num_experts} is not divisible by the "
                              f"expert-parallel size {world}")
         per_rank = layer.num_experts // world
-        return cls(copy.deepcopy(layer.router), layer.experts.shard(rank * per_rank, per_rank),
-                   layer.num_experts, layer.top_k, group)
+        ep = cls(copy.deepcopy(layer.router), layer.experts.shard(rank * per_rank, per_rank),
+                 layer.num_experts, layer.top_k, group)
+        ep.aux_loss_in_backward, ep.aux_loss_scale = (layer.aux_loss_in_backward,
+                                                      layer.aux_loss_scale)
+        return ep
 
     @property
     def aux_loss(self) -> torch.Tensor:
@@ -88,7 +94,7 @@ class ExpertParallelMoE(nn.Module):
             returned = all_to_all(out, send_splits, recv_splits, self.group, "combine")
             y = combine(unsort(returned, order), tokens, weights, x.shape[0])
         self.last_routing = routing
-        return y.reshape(*lead, self.d_model)
+        return MoELayer.attach_aux_loss(self, y).reshape(*lead, self.d_model)
 
     def finish_gradient_synchronization(self) -> None:
         """After backward: average the replicated router's gradient over the group, and

@@ -22,6 +22,7 @@ from torch import nn
 from minitrain import trace
 from minitrain.moe.dispatch import assignments, combine, sort_by_expert, unsort
 from minitrain.moe.experts import Experts
+from minitrain.moe.losses import AuxLossInBackward
 from minitrain.moe.router import TopKRouter
 
 
@@ -30,9 +31,15 @@ class MoELayer(nn.Module):
 
     ``capacity_factor=None`` drops nothing. Extra keywords go to ``TopKRouter``
     (``balancing``, ``aux_loss_weight``, ``z_loss_weight``, ``bias_update_rate``).
-    After a forward: ``aux_loss`` (the router's weighted auxiliary losses) and
-    ``last_routing`` (``router.Routing``: indices, weights, keep, probs, load).
+    After a forward: ``aux_loss`` (the router's weighted auxiliary losses: the caller adds
+    it to the loss) and ``last_routing`` (``router.Routing``: indices, weights, keep, probs,
+    load). With ``aux_loss_in_backward = True`` (set by ``apply_moe``) the aux loss instead
+    rides on the output's backward, times ``aux_loss_scale`` (``losses.AuxLossInBackward``),
+    which survives activation checkpointing.
     """
+
+    aux_loss_in_backward = False
+    aux_loss_scale = 1.0
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int = 1,
                  capacity_factor: float | None = None, **router_kwargs):
@@ -45,6 +52,9 @@ class MoELayer(nn.Module):
     @property
     def aux_loss(self) -> torch.Tensor:
         return self.router.aux_loss
+
+    def __getstate__(self):  # copy.deepcopy after a forward: leave its graph behind
+        return {**self.__dict__, "last_routing": None}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.d_model:
@@ -59,7 +69,12 @@ class MoELayer(nn.Module):
         with trace.span("combine", "compute"):
             y = combine(unsort(out, order), tokens, weights, x.shape[0])
         self.last_routing = routing
-        return y.reshape(*lead, self.d_model)
+        return self.attach_aux_loss(y).reshape(*lead, self.d_model)
+
+    def attach_aux_loss(self, y: torch.Tensor) -> torch.Tensor:
+        if self.aux_loss_in_backward and torch.is_grad_enabled() and self.aux_loss.requires_grad:
+            return AuxLossInBackward.apply(y, self.aux_loss, self.aux_loss_scale)
+        return y
 
     def num_parameters(self) -> tuple[int, int]:
         """(all parameters, parameters one token uses: the router and k experts)."""

@@ -7,6 +7,11 @@
   2022, section 3.1, equation 5), which keeps the logits small so the softmax stays
   numerically tame in low precision.
 
+``AuxLossInBackward`` lets a layer carry its auxiliary loss on its output's backward (the
+device of Megatron-LM's MoE "aux loss auto-scaler"): needed under activation checkpointing,
+where the forward that the loss reads runs without a graph and only the recomputation in
+backward builds one.
+
 Both are computed per call on the tokens the router saw, so a rank of expert parallelism
 computes exactly what the local layer computes for the same tokens.
 """
@@ -45,3 +50,24 @@ def load_balancing_loss(router_probs: torch.Tensor, expert_indices: torch.Tensor
 def router_z_loss(router_logits: torch.Tensor) -> torch.Tensor:
     """ST-MoE's router z-loss: mean over tokens of (log Σ_j exp(x_j))² (Zoph et al. 2022, eq. 5)."""
     return torch.logsumexp(router_logits, dim=-1).square().mean()
+
+
+class AuxLossInBackward(torch.autograd.Function):
+    """Identity on ``output``; in backward, also gives ``aux_loss`` the gradient ``scale``.
+
+    So ``loss.backward()`` through the layer's output trains the router on ``scale · aux_loss``
+    as if it had been added to the loss — including when the layer runs inside an activation
+    checkpoint, whose first forward builds no graph. ``scale`` must be the weight of this
+    forward's loss in the objective (1/M when M micro-batches' losses are averaged).
+    """
+
+    @staticmethod
+    def forward(ctx, output, aux_loss, scale):
+        ctx.save_for_backward(aux_loss)
+        ctx.scale = scale
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux_loss,) = ctx.saved_tensors
+        return grad, torch.full_like(aux_loss, ctx.scale), None

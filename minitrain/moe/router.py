@@ -116,6 +116,10 @@ class TopKRouter(nn.Module):
         self.register_buffer("observed_load", torch.zeros(num_experts))
         self.aux_loss = torch.zeros(())
 
+    def __getstate__(self):
+        # the last forward's aux loss is part of a graph (not copyable): copies start afresh
+        return {**self.__dict__, "aux_loss": torch.zeros(())}
+
     def forward(self, x: torch.Tensor) -> Routing:
         logits = self.gate(x).float()  # routing in fp32 (Fedus et al. 2021, section 2.4)
         probs = torch.softmax(logits, dim=-1)
