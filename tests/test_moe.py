@@ -359,7 +359,6 @@ def _ep_gpt_case(checkpointing):
         apply_moe,
         expert_parallel_gradient_sync,
         moe_training_loss,
-        set_aux_loss_scale,
     )
 
     rank, P = dist.get_rank(), dist.get_world_size()
@@ -370,7 +369,10 @@ def _ep_gpt_case(checkpointing):
     if checkpointing:
         set_checkpointing(ep, "full")
     batches = [get_batch(0, 4 * P, r, P, vocab_size=32, seq_len=8) for r in range(P)]
-    set_aux_loss_scale(local, 1 / P)  # the reference averages P losses in one backward
+    # the reference adds its aux losses to the loss explicitly, not through the layers
+    for m in local.modules():
+        if isinstance(m, MoELayer):
+            m.aux_loss_in_backward = False
     losses = [moe_training_loss(local, x, y) for x, y in batches]
     (sum(losses) / P).backward()
     loss = moe_training_loss(ep, *batches[rank])
@@ -393,3 +395,27 @@ def test_expert_parallel_gpt_with_data_parallel_rest_equals_local(checkpointing)
         worst = max(diffs, key=diffs.get)
         assert diffs[worst] < 1e-5, f"rank {rank}: {worst} differs by {diffs[worst]}"
         assert any(".router." in n for n in diffs) and any(".experts." in n for n in diffs)
+
+
+def test_aux_loss_scale_weights_the_carried_gradient():
+    """Two micro-batches averaged: scale 1/2 gives the gradient of mean(lm + aux)."""
+    import copy
+
+    from minitrain.data import get_batch
+    from minitrain.model import GPT, GPTConfig
+    from minitrain.moe import apply_moe, moe_aux_loss, set_aux_loss_scale
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=32, seq_len=8, n_layer=1, n_head=2, d_model=16)
+    model = apply_moe(GPT(cfg), num_experts=4, top_k=2)
+    explicit = copy.deepcopy(model)
+    for m in explicit.modules():
+        if isinstance(m, MoELayer):
+            m.aux_loss_in_backward = False
+    set_aux_loss_scale(model, 0.5)
+    for step in range(2):
+        x, y = get_batch(step, 4, vocab_size=32, seq_len=8)
+        (model.loss(x, y) / 2).backward()
+        ((explicit.loss(x, y) + moe_aux_loss(explicit)) / 2).backward()
+    gate = model.blocks[0].mlp.router.gate.weight.grad
+    torch.testing.assert_close(gate, explicit.blocks[0].mlp.router.gate.weight.grad)
