@@ -106,7 +106,7 @@ def test_load_balancing_loss():
     probs = _probs(9, 4, 2).requires_grad_()
     indices = torch.topk(probs, 2, dim=-1).indices
     f = [sum(int(i == e) for i in indices.flatten()) / indices.numel() for e in range(4)]
-    want = 4 * sum(f[e] * float(probs[:, e].mean()) for e in range(4))
+    want = 4 * sum(f[e] * float(probs[:, e].detach().mean()) for e in range(4))
     got = load_balancing_loss(probs, indices, 4)
     assert abs(float(got) - want) < 1e-5, (
         f"top-2: N·Σ f_i·P_i with f = {[round(v, 3) for v in f]} (fractions of the 18 "
