@@ -108,9 +108,10 @@ def test_load_balancing_loss():
     f = [sum(int(i == e) for i in indices.flatten()) / indices.numel() for e in range(4)]
     want = 4 * sum(f[e] * float(probs[:, e].detach().mean()) for e in range(4))
     got = load_balancing_loss(probs, indices, 4)
-    assert abs(float(got) - want) < 1e-5, (
+    value = got.item()
+    assert abs(value - want) < 1e-5, (
         f"top-2: N·Σ f_i·P_i with f = {[round(v, 3) for v in f]} (fractions of the 18 "
-        f"assignments) should be {want:.5f}, got {float(got):.5f}")
+        f"assignments) should be {want:.5f}, got {value:.5f}")
     (grad,) = torch.autograd.grad(got, probs)
     want_grad = torch.tensor(f).expand(9, 4) * 4 / 9
     assert torch.allclose(grad, want_grad, atol=1e-6), (
