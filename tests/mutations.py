@@ -436,6 +436,76 @@ MUTATIONS = [
         "        if False:\n",
         ["tests/test_pipeline.py::test_checker_finds_deadlock_and_malformed_schedules", "tests/test_pipeline.py::test_one_f_one_b_reference_point"],
     ),
+    Mutation(
+        "MoE: capacity off by one (an expert keeps capacity + 1 assignments)",
+        "minitrain/moe/router.py",
+        "keep = slot < capacity",
+        "keep = slot <= capacity",
+        [
+            "tests/test_moe.py::test_top_k_routing_matches_the_loop_reference[0.5-2]",
+            "tests/test_moe.py::test_moe_layer_matches_the_token_loop[1-0.5]",
+            "tests/grading/test_ch08_mixture_of_experts.py::test_top_k_routing",
+        ],
+    ),
+    Mutation(
+        "MoE: top-k weights not renormalised",
+        "minitrain/moe/router.py",
+        "weights = chosen / chosen.sum(dim=-1, keepdim=True)",
+        "weights = chosen",
+        [
+            "tests/test_moe.py::test_weights_are_renormalised_and_bias_only_chooses",
+            "tests/test_moe.py::test_moe_layer_matches_the_token_loop[2-None]",
+            "tests/grading/test_ch08_mixture_of_experts.py::test_top_k_routing",
+        ],
+    ),
+    Mutation(
+        "MoE: all-to-all split check removed (gloo returns garbage silently)",
+        "minitrain/moe/expert_parallel.py",
+        "check_splits(send_splits, recv_splits, self.group)",
+        "pass",
+        ["tests/test_moe.py::test_disagreeing_splits_fail_on_every_rank_naming_ranks_and_counts"],
+    ),
+    Mutation(
+        "MoE: replicated router gradient not averaged over the expert-parallel group",
+        "minitrain/moe/expert_parallel.py",
+        "dist.all_reduce(p.grad, group=self.group)",
+        "pass",
+        ["tests/test_moe.py::test_expert_parallel_equals_the_local_layer[2-1]"],
+    ),
+    Mutation(
+        "MoE: all-to-all backward with the forward's splits (not reversed)",
+        "minitrain/moe/all_to_all.py",
+        "return (_all_to_all(grad, in_splits, out_splits,",
+        "return (_all_to_all(grad, out_splits, in_splits,",
+        ["tests/test_moe.py::test_expert_parallel_equals_the_local_layer[4-2]"],
+    ),
+    Mutation(
+        "MoE: load-balancing fraction over tokens, not over the T·k assignments",
+        "minitrain/moe/losses.py",
+        "f = counts / max(flat.numel(), 1)",
+        "f = counts / router_probs.shape[0]",
+        ["tests/test_moe.py::test_load_balancing_loss_against_the_formula", "tests/grading/test_ch08_mixture_of_experts.py::test_load_balancing_loss"],
+    ),
+    Mutation(
+        "MoE: aux loss not carried in backward (lost under activation checkpointing)",
+        "minitrain/moe/layer.py",
+        "if self.aux_loss_in_backward and torch.is_grad_enabled()",
+        "if False and torch.is_grad_enabled()",
+        [
+            "tests/test_moe.py::test_moe_gpt_adds_aux_loss_and_trains",
+            "tests/test_moe.py::test_expert_parallel_gpt_with_data_parallel_rest_equals_local[checkpointed]",
+        ],
+    ),
+    Mutation(
+        "MoE: expert gradients not divided by the expert-parallel size",
+        "minitrain/moe/expert_parallel.py",
+        """        for p in self.experts.parameters():
+            if p.grad is not None:
+                p.grad /= self.world""",
+        """        for p in self.experts.parameters():
+            pass""",
+        ["tests/test_moe.py::test_expert_parallel_equals_the_local_layer[2-2]"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

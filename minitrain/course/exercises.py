@@ -76,7 +76,10 @@ CHAPTERS: dict[int, tuple[str, list[str]]] = {
             "minitrain.pipeline.check",
         ],
     ),
-    8: ("ex08_mixture_of_experts", ["minitrain.moe"]),
+    8: (
+        "ex08_mixture_of_experts",
+        ["minitrain.moe.router", "minitrain.moe.dispatch", "minitrain.moe.losses"],
+    ),
     9: ("ex09_flash_attention", ["minitrain.flash_attention.tiles"]),
     10: (
         "ex10_context_parallel",

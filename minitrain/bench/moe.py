@@ -1,0 +1,127 @@
+"""Benchmark: an expert-parallel MoE layer over 2 ranks against the local layer on one
+process, and the bytes its all-to-alls send against the formula.
+
+    python -m minitrain.bench moe [--quick] [--steps 10]
+
+The same MoE layer (same weights) runs one forward + backward + AdamW step on the same
+global batch of tokens:
+- local, one process: rank 0 alone runs all 2T tokens (rank 1 waits at a barrier);
+- EP-2: ``ExpertParallelMoE`` over 2 ranks, each routing its T tokens, half of the experts
+  on each rank, two all-to-alls forward and two backward.
+They take turns step by step, so a slow moment of the machine hits both alike; a step's time
+is the slowest rank's, and the median over steps is printed with the quartiles.
+
+Bytes (per rank and step, logical: rows sent to the *other* rank, counted by
+``minitrain.moe.all_to_all``) against T · k · d_model · 4 · (P−1)/P per all-to-all (GShard,
+Lepikhin et al. 2020, section 2.2), which assumes uniform routing.
+What to expect on a 2-core CPU: each rank holds half the experts and half the tokens, so
+the expert compute halves, but the all-to-alls and the count exchange sit on the critical
+path; on GPUs, EP is how a model with more experts than fit on one device is trained.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from minitrain.launch import launch
+
+LOCAL, EP = "local, 1 process", "EP-2 (ExpertParallelMoE)"
+SIZE = dict(tokens=2048, d_model=256, d_ff=1024, num_experts=8, top_k=2)
+QUICK = dict(tokens=256, d_model=64, d_ff=256, num_experts=4, top_k=2)
+
+
+def _rank_measure(size, steps):
+    from minitrain.moe import (
+        ExpertParallelMoE,
+        MoELayer,
+        communication_log,
+        reset_communication_log,
+    )
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    local = MoELayer(size["d_model"], size["d_ff"], size["num_experts"], size["top_k"])
+    layers = {LOCAL: copy.deepcopy(local), EP: ExpertParallelMoE.from_local(local)}
+    opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-3) for n, m in layers.items()}
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(size["tokens"], size["d_model"], generator=g)
+    per = x.shape[0] // world
+    # inputs that need a gradient, as inside a network: all four all-to-alls run
+    inputs = {LOCAL: x.clone().requires_grad_(),
+              EP: x[rank * per:(rank + 1) * per].clone().requires_grad_()}
+    times, sent = {n: [] for n in layers}, {}
+    for step in range(steps + 2):  # two warm-up steps
+        for name, layer in layers.items():
+            dist.barrier()
+            if name == LOCAL and rank != 0:
+                continue
+            reset_communication_log()
+            start = time.perf_counter()
+            opts[name].zero_grad()
+            (layer(inputs[name]).square().mean() + layer.aux_loss).backward()
+            if name == EP:
+                layer.finish_gradient_synchronization()
+            opts[name].step()
+            if step >= 2:
+                times[name].append(time.perf_counter() - start)
+            if name == EP:
+                sent = {}
+                for what, nbytes in communication_log():
+                    sent[what] = sent.get(what, 0) + nbytes
+    return {"times": times, "sent": sent, "tokens": per}
+
+
+def measure(size=SIZE, steps: int = 10) -> dict:
+    from minitrain.moe.measure import all_to_all_bytes_formula
+
+    res = launch(_rank_measure, 2, size, steps, timeout=900)
+    slowest = {n: [max(r["times"][n][i] for r in res if r["times"][n]) for i in range(steps)]
+               for n in res[0]["times"]}
+    return {
+        "step_time": {n: statistics.median(t) for n, t in slowest.items()},
+        "spread": {n: tuple(statistics.quantiles(t, n=4)[::2]) if len(t) > 1 else (t[0], t[0])
+                   for n, t in slowest.items()},
+        "sent": [r["sent"] for r in res],
+        "formula": all_to_all_bytes_formula(res[0]["tokens"], size["top_k"], size["d_model"],
+                                            4, 2),
+    }
+
+
+def report(result: dict) -> str:
+    base = result["step_time"][LOCAL]
+    lines = [f"{'variant':<26} {'step (ms)':>9} {'p25-p75 (ms)':>13} {'vs local':>8}"]
+    for name, t in result["step_time"].items():
+        lo, hi = result["spread"][name]
+        lines.append(f"{name:<26} {t * 1e3:9.1f} {f'{lo * 1e3:.1f}-{hi * 1e3:.1f}':>13} "
+                     f"{t / base:7.2f}x")
+    lines.append("")
+    lines.append(f"all-to-all bytes per rank and step (formula T·k·d·4·(P−1)/P = "
+                 f"{result['formula']:,.0f} each):")
+    for rank, sent in enumerate(result["sent"]):
+        parts = ", ".join(f"{k} {v:,} ({v / result['formula']:.3f}x)" for k, v in sent.items())
+        lines.append(f"  rank {rank}: {parts}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minitrain.bench moe",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smaller layer, fewer steps")
+    parser.add_argument("--steps", type=int, default=None)
+    args = parser.parse_args(argv)
+    size = QUICK if args.quick else SIZE
+    steps = args.steps or (4 if args.quick else 10)
+    print(f"MoE layer {size} (tokens: the global batch), AdamW, gloo, median of {steps} steps "
+          "(each the slowest rank's)\n")
+    print(report(measure(size, steps)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
