@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-from test_fsdp import Toy, _batch, _mse  # tests/ is on sys.path under pytest
 from torch import nn
+from toy_models import Toy, mse, toy_batch  # tests/ is on sys.path under pytest
 
 from minitrain.launch import LaunchError, launch
 
@@ -95,11 +95,11 @@ def _skippy_fsdp(steps):
     opt = torch.optim.SGD(fsdp.parameters(), lr=0.1)
     skipped = []
     for s in range(steps):
-        x, y = _batch(s, rank, world)
+        x, y = toy_batch(s, rank, world)
         x[:, 0] += 1.0 if rank == 0 else -1.0  # rank 0 runs every block, rank 1 skips two
         skipped.append(bool(x[:, 0].mean() <= 0))
         opt.zero_grad()
-        _mse(fsdp(x), y).backward()
+        mse(fsdp(x), y).backward()
         opt.step()  # (finish_gradient_synchronization ran by itself at the end of backward)
     return fsdp.full_state_dict(), skipped
 
@@ -112,9 +112,9 @@ def test_ranks_skipping_different_blocks_match_one_process():
         opt.zero_grad()
         loss = 0.0
         for r in range(world):  # the mean of the ranks' losses: what averaged gradients descend
-            x, y = _batch(s, r, world)
+            x, y = toy_batch(s, r, world)
             x[:, 0] += 1.0 if r == 0 else -1.0
-            loss = loss + _mse(model(x), y) / world
+            loss = loss + mse(model(x), y) / world
         loss.backward()
         opt.step()
     results = launch(_skippy_fsdp, world, steps, timeout=120)
@@ -135,9 +135,9 @@ def _checkpointed(steps, save_dir=None, save_at=(), load=None, dtype=None):
     opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2)
     start = load_checkpoint(fsdp, load, optimizer=opt)["step"] if load else 0
     for s in range(start, steps):
-        x, y = _batch(s, rank, world)
+        x, y = toy_batch(s, rank, world)
         opt.zero_grad()
-        _mse(fsdp(x), y).backward()
+        mse(fsdp(x), y).backward()
         opt.step()
         if s + 1 in save_at:
             save_checkpoint(fsdp, save_dir, s + 1, extra={"step": s + 1}, optimizer=opt)
@@ -237,7 +237,7 @@ def test_zero_grad_by_the_optimizer_and_accumulation():
     torch.manual_seed(0)
     model = Toy()
     for s in range(2):
-        _mse(model(_batch(s)[0]), _batch(s)[1]).backward()
+        mse(model(toy_batch(s)[0]), toy_batch(s)[1]).backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
     got = launch(_accumulate, 2, timeout=60)[0]
     for name in want:
@@ -251,8 +251,8 @@ def _accumulate():
     torch.manual_seed(0)
     fsdp = FullyShardedDataParallel(Toy())
     for s in range(2):
-        x, y = _batch(s, rank, world)
-        _mse(fsdp(x), y).backward()
+        x, y = toy_batch(s, rank, world)
+        mse(fsdp(x), y).backward()
     # the gradients, put where the parameters are and gathered like them
     saved = [u.master.detach().clone() for u in fsdp.live_units()]
     with torch.no_grad():
@@ -271,7 +271,7 @@ def test_deepcopy_reference_is_independent():
 
     m = Toy()
     before = copy.deepcopy(m.state_dict())
-    one_process_reference(m, [(_batch(0)[0], _batch(0)[1], _mse)])
+    one_process_reference(m, [(toy_batch(0)[0], toy_batch(0)[1], mse)])
     assert all(torch.equal(v, m.state_dict()[k]) for k, v in before.items())
 
 
@@ -282,8 +282,8 @@ def _clip_replicated():
     torch.manual_seed(0)
     model = Toy()
     fsdp = FullyShardedDataParallel(model, replicated_params=list(model.out.parameters()))
-    x, y = _batch(0, rank, world)
-    _mse(fsdp(x), y).backward()
+    x, y = toy_batch(0, rank, world)
+    mse(fsdp(x), y).backward()
     return float(fsdp.clip_grad_norm_(0.05)), fsdp.full_state_dict()
 
 
@@ -291,7 +291,7 @@ def test_clip_with_replicated_params_equals_torch():
     """Replicated gradients are whole on every rank: counted once in the norm, not N times."""
     torch.manual_seed(0)
     model = Toy()
-    _mse(model(_batch(0)[0]), _batch(0)[1]).backward()
+    mse(model(toy_batch(0)[0]), toy_batch(0)[1]).backward()
     want = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
     for norm, _ in launch(_clip_replicated, 3, timeout=60):
         assert abs(norm - want) <= 1e-6 * want, f"total norm {norm}, torch says {want}"
@@ -303,14 +303,14 @@ def _evaluate():
     torch.manual_seed(0)
     fsdp = FullyShardedDataParallel(Toy(), compute_dtype=None)
     with torch.no_grad():
-        out = fsdp(_batch(0)[0])
+        out = fsdp(toy_batch(0)[0])
     held = [u.full.untyped_storage().nbytes() for u in fsdp.units if u is not None]
     return out, held
 
 
 def test_evaluation_under_no_grad_gathers_and_frees():
     torch.manual_seed(0)
-    want = Toy()(_batch(0)[0])
+    want = Toy()(toy_batch(0)[0])
     for out, held in launch(_evaluate, 2, timeout=60):
         assert torch.allclose(out, want, atol=1e-6), (out - want).abs().max()
         assert held == [0] * len(held), f"units still gathered after an evaluation: {held}"

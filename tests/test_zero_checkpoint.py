@@ -7,7 +7,8 @@ import shutil
 import pytest
 import torch
 import torch.distributed as dist
-from test_zero import LR, Toy, _batch  # tests/ is on sys.path under pytest
+from test_zero import LR  # tests/ is on sys.path under pytest
+from toy_models import Toy, toy_batch
 
 from minitrain.launch import LaunchError, launch
 
@@ -24,7 +25,7 @@ def _run(stage, steps, save_dir=None, save_at=(), load=None, offload=False, star
     extra = load_checkpoint(z, load) if load else {}
     start = extra.get("step", start)
     for s in range(start, steps):
-        x, y = _batch(s, rank, world)
+        x, y = toy_batch(s, rank, world)
         z.zero_grad()
         ((z(x) - y) ** 2).mean().backward()
         z.step()
