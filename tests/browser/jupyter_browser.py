@@ -234,8 +234,11 @@ class NotebookPage:
 
     def widget_outputs(self):
         # a widget view's output carries no mime type (a renderer's does); top level only
+        # this notebook's panel only: JupyterLab restores earlier notebooks as hidden tabs
+        panel = self.page.evaluate("() => window.__minitrainPanel.id")
         return self.page.locator(
-            ".jp-Cell-outputArea > .jp-OutputArea-child > .jp-OutputArea-output:not([data-mime-type])"
+            f"[id='{panel}'] .jp-Cell-outputArea > .jp-OutputArea-child"
+            " > .jp-OutputArea-output:not([data-mime-type])"
         )
 
     def check(self, settle: float = 30, shots: Path | None = None) -> NotebookReport:
@@ -337,7 +340,14 @@ class NotebookPage:
         return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
     def close(self) -> None:
-        self.page.close()
+        """Shut the kernel down and close the tab (the next notebook gets the cores)."""
+        try:
+            self.page.evaluate(
+                """async () => { const p = window.__minitrainPanel;
+                   if (p) { await p.sessionContext.shutdown(); p.dispose(); } }"""
+            )
+        finally:
+            self.page.close()
 
 
 def tiny_notebook(path: Path, *code_cells: str, slides: bool = True) -> Path:
