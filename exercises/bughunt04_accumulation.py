@@ -12,9 +12,9 @@ the timeline shows an all-reduce after every micro-batch, and 4x the bytes of on
 Your tools: notebook 04's timeline (`launch(...).traces`, `minitrain.trace.plot_timeline`):
 count the 'all-reduce bucket' spans per step; chapter 4's formula for the bytes of one step.
 
-One line of the function below is wrong. Fix it in my_exercises/bughunt04_accumulation.py
-(run `python -m minitrain.exercises start` once), then `python -m minitrain.grade 4` re-runs
-the broken scenario.
+One line of the function below is wrong or missing. Fix it in
+my_exercises/bughunt04_accumulation.py (run `python -m minitrain.exercises start` once),
+then `python -m minitrain.grade 4` re-runs the broken scenario.
 """
 
 # ruff: noqa: F405 (the library module's names come from the star import)
@@ -36,4 +36,4 @@ class DataParallel:
         finally:
             self._sync_enabled = previous
 
-# minitrain-exercises-hash: 4b4308d6a8d7946f
+# minitrain-exercises-hash: da9c9cc71a71f408

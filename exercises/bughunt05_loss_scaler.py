@@ -13,9 +13,9 @@ torch.amp.GradScaler's and their weights are no longer one model.
 Your tools: notebook 05's parity check (full_state_dict on every rank against one process),
 `scaler.get_scale()` per rank, and torch.amp.GradScaler as the reference.
 
-One line of the function below is wrong. Fix it in my_exercises/bughunt05_loss_scaler.py
-(run `python -m minitrain.exercises start` once), then `python -m minitrain.grade 5` re-runs
-the broken scenario.
+One line of the function below is wrong or missing. Fix it in
+my_exercises/bughunt05_loss_scaler.py (run `python -m minitrain.exercises start` once), then
+`python -m minitrain.grade 5` re-runs the broken scenario.
 """
 
 # ruff: noqa: F405 (the library module's names come from the star import)
@@ -36,4 +36,4 @@ class ZeroDataParallel:
         scaler.step(self.optimizer)  # skipped on every rank, or taken on every rank
         scaler.update()
 
-# minitrain-exercises-hash: 05d134151839767c
+# minitrain-exercises-hash: c3a95d702e5a88ef

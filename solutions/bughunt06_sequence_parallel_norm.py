@@ -12,7 +12,7 @@ differ between tensor-parallel ranks and from the dense model's, by about one ra
 Your tools: notebook 06's parity check: every gradient of the tensor-parallel GPT against
 the dense model (gather each rank's shards), and the logged collectives (mappings).
 
-One line of the function below is wrong. Fix it in
+One line of the function below is wrong or missing. Fix it in
 my_exercises/bughunt06_sequence_parallel_norm.py (run `python -m minitrain.exercises start`
 once), then `python -m minitrain.grade 6` re-runs the broken scenario.
 """
@@ -31,4 +31,4 @@ class SequenceParallelLayerNorm:
         bias = None if self.bias is None else copy_to_parallel_region(self.bias, self.group)
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
-# minitrain-exercises-hash: a1485fec6f5129d3
+# minitrain-exercises-hash: d6ffaf2a59c2a6ed
