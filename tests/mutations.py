@@ -527,6 +527,23 @@ MUTATIONS = [
             pass""",
         ["tests/test_moe.py::test_expert_parallel_equals_the_local_layer[2-2]"],
     ),
+    Mutation(
+        "bug hunt 7: interleaved warm-up not capped at m*v (m < p)",
+        "minitrain/pipeline/schedules.py",
+        "            warmup = min(warmup, m * v)\n",
+        "",
+        [
+            "tests/grading/test_ch07_bughunt.py",
+            "tests/test_pipeline.py::test_interleaved_runs_for_any_m_and_never_beats_its_formula",
+        ],
+    ),
+    Mutation(
+        "bug hunt 8: router gradient summed over the expert-parallel group, not averaged",
+        "minitrain/moe/expert_parallel.py",
+        "                dist.all_reduce(p.grad, group=self.group)\n                p.grad /= self.world\n",
+        "                dist.all_reduce(p.grad, group=self.group)\n",
+        ["tests/grading/test_ch08_bughunt.py", "tests/test_moe.py::test_expert_parallel_equals_the_local_layer[2-1]"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

@@ -101,6 +101,44 @@ BUG_HUNTS: list[BugHunt] = [
         "notebook 06's parity check: every gradient of the tensor-parallel GPT against the "
         "dense model (gather each rank's shards), and the logged collectives (mappings).",
     ),
+    BugHunt(
+        7,
+        "interleaved_warmup",
+        "minitrain.pipeline.schedules",
+        "interleaved_one_f_one_b_schedule",
+        "            warmup = min(warmup, m * v)\n",
+        "",
+        "Interleaved 1F1B gives stage s a warm-up of 2(p - s - 1) + (v - 1)·g forwards "
+        "before it alternates; with few micro-batches that count can exceed the m·v forwards "
+        "the stage has at all. Megatron-LM caps it at the total (min(·, total)); pipeline "
+        "schedules have shipped without the cap, and then the run hangs or fails as soon as "
+        "there are fewer micro-batches than stages — the case nobody benchmarks.",
+        "On 2 ranks with 3 chunks each, m = 2 trains like one process, but m = 1 does not run: "
+        "every rank stops before the first action with a ScheduleError (this executor checks a "
+        "schedule before running it; one without the check waits forever on a receive).",
+        "notebook 07's schedule checker (`simulate`, and `plot_schedule` to see each stage's "
+        "actions): count each stage's F and B per (micro-batch, chunk); parity of "
+        "`PipelineStage.train_step` with one process.",
+    ),
+    BugHunt(
+        8,
+        "router_gradient",
+        "minitrain.moe.expert_parallel",
+        "ExpertParallelMoE.finish_gradient_synchronization",
+        "                dist.all_reduce(p.grad, group=self.group)\n"
+        "                p.grad /= self.world\n",
+        "                dist.all_reduce(p.grad, group=self.group)\n",
+        "Expert parallelism replicates the router on every rank, like data parallelism: its "
+        "gradient must be averaged over the expert-parallel group — summed, then divided by "
+        "its size. Trainers have shipped the sum without the division (data parallelism's "
+        "'summed but not averaged'): the ranks agree with each other, so nothing looks "
+        "wrong, but the router learns P times too fast.",
+        "On 2 ranks, outputs, input gradients and expert gradients equal the local layer's; "
+        "the router's gradient is identical on both ranks but exactly twice the local layer's "
+        "(4 times on 4 ranks).",
+        "notebook 08's parity check (expert-parallel layer against the local MoELayer on the "
+        "mean of the ranks' losses), the ratio of gradient norms, and the logged collectives.",
+    ),
 ]
 
 
