@@ -3,9 +3,11 @@ as it shipped).
 
 Interleaved 1F1B gives stage s a warm-up of 2(p - s - 1) + (v - 1)·g forwards before it
 alternates; with few micro-batches that count can exceed the m·v forwards the stage has at
-all. Megatron-LM caps it at the total (min(·, total)); pipeline schedules have shipped
-without the cap, and then the run hangs or fails as soon as there are fewer micro-batches
-than stages — the case nobody benchmarks.
+all, and it must be capped at that total. PyTorch's PiPPy shipped interleaved 1F1B without
+the cap (fixed by adding a min: pytorch/PiPPy#1081, 2024); torchtitan users saw pipelines
+hang with fewer micro-batches than stages (pytorch/torchtitan#775); AMD's Primus 1F1B
+schedulers crashed for the missing clamp (AMD-AGI/Primus#1003). Few micro-batches is the
+case nobody benchmarks.
 
 What you see: On 2 ranks with 3 chunks each, m = 2 trains like one process, but m = 1 does
 not run: every rank stops before the first action with a ScheduleError (this executor checks
@@ -81,4 +83,4 @@ def interleaved_one_f_one_b_schedule(
             continue
     return schedule  # unreachable: extra = m*v is the all-forwards-first order
 
-# minitrain-exercises-hash: 7f810be09c328689
+# minitrain-exercises-hash: 719ed3a5d8eaf0d7

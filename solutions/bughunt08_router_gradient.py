@@ -3,9 +3,12 @@ minitrain.moe.expert_parallel.ExpertParallelMoE.finish_gradient_synchronization 
 the library has it).
 
 Expert parallelism replicates the router on every rank, like data parallelism: its gradient
-must be averaged over the expert-parallel group — summed, then divided by its size. Trainers
-have shipped the sum without the division (data parallelism's 'summed but not averaged'):
-the ranks agree with each other, so nothing looks wrong, but the router learns P times too
+must be averaged over the expert-parallel group — summed, then divided by its size. MoE
+trainers have shipped these gradients reduced with the wrong divisor or not at all
+(DeepSpeed's expert gradients divided by the wrong world size, deepspeedai/DeepSpeed#6546; a
+missing router all-reduce, pytorch/torchtitan#2416; a wrong router gradient under EP,
+huggingface/transformers#48687). The loss is right, so nothing in the run looks off. Here:
+summed but not averaged — the ranks agree with each other, and the router learns P times too
 fast.
 
 What you see: On 2 ranks, outputs, input gradients and expert gradients equal the local
@@ -40,4 +43,4 @@ class ExpertParallelMoE:
             if p.grad is not None:
                 p.grad /= self.world
 
-# minitrain-exercises-hash: 0dd29dfa5f1d791d
+# minitrain-exercises-hash: 19a1e718b50e671d

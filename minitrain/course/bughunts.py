@@ -11,8 +11,7 @@ against an independent reference. ``python -m minitrain.exercises build`` writes
 ``check`` and ``grade --verify`` cover them like any exercise (the shipped bug must fail the
 test, the library's line must pass it).
 
-Adding one (e.g. chapter 7's pipeline that hangs with fewer micro-batches than stages): one
-``BugHunt`` below, one graded test file. Each bug is also a named mutation in
+Chapters 4–8 have one each; adding one is one ``BugHunt`` below and one graded test file. Each bug is also a named mutation in
 tests/mutations.py, so the unit tests are known to catch it.
 """
 
@@ -110,9 +109,11 @@ BUG_HUNTS: list[BugHunt] = [
         "",
         "Interleaved 1F1B gives stage s a warm-up of 2(p - s - 1) + (v - 1)·g forwards "
         "before it alternates; with few micro-batches that count can exceed the m·v forwards "
-        "the stage has at all. Megatron-LM caps it at the total (min(·, total)); pipeline "
-        "schedules have shipped without the cap, and then the run hangs or fails as soon as "
-        "there are fewer micro-batches than stages — the case nobody benchmarks.",
+        "the stage has at all, and it must be capped at that total. PyTorch's PiPPy shipped "
+        "interleaved 1F1B without the cap (fixed by adding a min: pytorch/PiPPy#1081, 2024); "
+        "torchtitan users saw pipelines hang with fewer micro-batches than stages "
+        "(pytorch/torchtitan#775); AMD's Primus 1F1B schedulers crashed for the missing clamp "
+        "(AMD-AGI/Primus#1003). Few micro-batches is the case nobody benchmarks.",
         "On 2 ranks with 3 chunks each, m = 2 trains like one process, but m = 1 does not run: "
         "every rank stops before the first action with a ScheduleError (this executor checks a "
         "schedule before running it; one without the check waits forever on a receive).",
@@ -130,9 +131,12 @@ BUG_HUNTS: list[BugHunt] = [
         "                dist.all_reduce(p.grad, group=self.group)\n",
         "Expert parallelism replicates the router on every rank, like data parallelism: its "
         "gradient must be averaged over the expert-parallel group — summed, then divided by "
-        "its size. Trainers have shipped the sum without the division (data parallelism's "
-        "'summed but not averaged'): the ranks agree with each other, so nothing looks "
-        "wrong, but the router learns P times too fast.",
+        "its size. MoE trainers have shipped these gradients reduced with the wrong divisor "
+        "or not at all (DeepSpeed's expert gradients divided by the wrong world size, "
+        "deepspeedai/DeepSpeed#6546; a missing router all-reduce, pytorch/torchtitan#2416; "
+        "a wrong router gradient under EP, huggingface/transformers#48687). The loss is "
+        "right, so nothing in the run looks off. Here: summed but not averaged — the ranks "
+        "agree with each other, and the router learns P times too fast.",
         "On 2 ranks, outputs, input gradients and expert gradients equal the local layer's; "
         "the router's gradient is identical on both ranks but exactly twice the local layer's "
         "(4 times on 4 ranks).",
