@@ -10,7 +10,7 @@ READY  := $(VENV)/.ready
 PYTEST := $(BIN)/python -m pytest -p no:cacheprovider
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: lab test lint unit grade-verify nbval notebooks exercises mutants clean
+.PHONY: lab test test-gpu lint unit grade-verify nbval browser lecture slides notebooks exercises mutants clean
 
 $(READY): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,15 +28,24 @@ lab: $(READY)
 	$(BIN)/jupyter lab --notebook-dir=$(NOTEBOOKS) --ServerApp.ip=127.0.0.1 \
 		$(if $(filter 0,$(shell id -u)),--allow-root)
 
-test: lint unit grade-verify nbval
+test: lint unit grade-verify nbval browser
 	@echo "make test: every check passed"
+
+# the same checks on a multi-GPU machine (.github/workflows/gpu.yml runs it): launches with a
+# GPU per rank use NCCL for CUDA tensors (minitrain.rank.default_backend) and nbval compares the
+# same committed outputs. Without a GPU it refuses, unless GPU_BACKEND forces a backend:
+# `make test-gpu GPU_BACKEND=cpu:gloo` runs these very commands on a CPU machine.
+GPU_BACKEND ?=
+test-gpu: $(READY)
+	@$(BIN)/python -c "import sys, torch; n = torch.cuda.device_count(); print('GPUs:', n, '| MINITRAIN_BACKEND:', '$(GPU_BACKEND)' or 'default (NCCL for CUDA tensors)'); sys.exit(0 if n >= 2 or '$(GPU_BACKEND)' else 'make test-gpu: needs 2 or more GPUs (GPU_BACKEND=cpu:gloo runs it on a CPU)')"
+	$(if $(GPU_BACKEND),MINITRAIN_BACKEND=$(GPU_BACKEND)) $(MAKE) test
 
 lint: $(READY)
 	$(BIN)/ruff check minitrain tests exercises solutions
 	$(BIN)/python -m minitrain.exercises check
 
 unit: $(READY)
-	$(PYTEST) tests --ignore=tests/grading -q
+	$(PYTEST) tests --ignore=tests/grading --ignore=tests/browser -q
 
 grade-verify: $(READY)
 	$(BIN)/python -m minitrain.grade --verify
@@ -47,6 +56,26 @@ NBVAL := $(PYTEST) --nbval --nbval-current-env --nbval-sanitize-with tests/nbval
 nbval: $(READY)
 	OMP_NUM_THREADS=1 $(NBVAL) notebooks -q
 	OMP_NUM_THREADS=2 $(NBVAL) notebooks -q
+
+# every notebook in JupyterLab in headless Chromium (tests/browser/): Run All, no error shown,
+# each widget's controls moved and its view changed; lecture mode too. Needs a Chromium
+# (Debian: apt-get install chromium; .ci/run installs it); skipped, saying so, without one.
+CHROMIUM := $(or $(MINITRAIN_CHROMIUM),$(shell command -v chromium || command -v chromium-browser))
+browser: $(READY)
+	@if [ -z "$(CHROMIUM)" ]; then \
+		echo "browser tests SKIPPED: no Chromium found (apt-get install chromium, or set MINITRAIN_CHROMIUM)"; \
+	else \
+		MINITRAIN_CHROMIUM=$(CHROMIUM) $(PYTEST) tests/browser -q -rs; \
+	fi
+
+# instructors: a notebook as slides with live widgets, e.g. `make lecture NB=04` (Voilà)
+lecture: $(READY)
+	@test -n "$(NB)" || { echo "usage: make lecture NB=04"; exit 2; }
+	$(BIN)/python -m minitrain.course.notebooks lecture $(NB)
+
+# authors: mark every notebook up for lecture mode (idempotent; run after adding a notebook)
+slides: $(READY)
+	$(BIN)/python -m minitrain.course.notebooks slides
 
 # authors: re-execute the notebooks in place after changing them, then commit
 notebooks: $(READY)

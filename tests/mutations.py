@@ -252,6 +252,27 @@ MUTATIONS = [
             f"{TP_TESTS}::test_forward_loss_and_every_gradient_match_dense[tp-4]",
             "tests/grading/test_ch06_tensor_parallel.py::test_f_is_identity_forward_and_all_reduce_backward",
         ],
+    ),    # the bug hunts' shipped bugs (minitrain/course/bughunts.py), caught by their graded tests
+    Mutation(
+        "bug hunt 4: no_sync leaves synchronisation on",
+        DDP,
+        "previous, self._sync_enabled = self._sync_enabled, False",
+        "previous = self._sync_enabled",
+        ["tests/grading/test_ch04_bughunt.py"],
+    ),
+    Mutation(
+        "bug hunt 5: loss scaler deciding per rank",
+        ZERO,
+        "        scaler.all_reduce_found_inf(self.optimizer, self.group)  # inf anywhere → inf everywhere\n",
+        "",
+        ["tests/grading/test_ch05_bughunt.py"],
+    ),
+    Mutation(
+        "bug hunt 6: sequence-parallel LayerNorm gains not summed",
+        TP_APPLY,
+        "weight = copy_to_parallel_region(self.weight, self.group)",
+        "weight = self.weight",
+        ["tests/grading/test_ch06_bughunt.py"],
     ),
     Mutation(
         "flash: running sum not rescaled when the max changes",
@@ -505,6 +526,23 @@ MUTATIONS = [
         """        for p in self.experts.parameters():
             pass""",
         ["tests/test_moe.py::test_expert_parallel_equals_the_local_layer[2-2]"],
+    ),
+    Mutation(
+        "bug hunt 7: interleaved warm-up not capped at m*v (m < p)",
+        "minitrain/pipeline/schedules.py",
+        "            warmup = min(warmup, m * v)\n",
+        "",
+        [
+            "tests/grading/test_ch07_bughunt.py",
+            "tests/test_pipeline.py::test_interleaved_runs_for_any_m_and_never_beats_its_formula",
+        ],
+    ),
+    Mutation(
+        "bug hunt 8: router gradient summed over the expert-parallel group, not averaged",
+        "minitrain/moe/expert_parallel.py",
+        "                dist.all_reduce(p.grad, group=self.group)\n                p.grad /= self.world\n",
+        "                dist.all_reduce(p.grad, group=self.group)\n",
+        ["tests/grading/test_ch08_bughunt.py", "tests/test_moe.py::test_expert_parallel_equals_the_local_layer[2-1]"],
     ),
 ]
 

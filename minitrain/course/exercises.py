@@ -261,38 +261,50 @@ def is_pristine(path: Path) -> bool:
     )
 
 
+def generated_files() -> list[tuple[str, str, bool, str | None]]:
+    """(folder, file stem, solved, text) of every file build writes: each chapter's exercises
+    and solutions, and each bug hunt's shipped bug and fix (minitrain.course.bughunts)."""
+    from minitrain.course import bughunts
+
+    files = []
+    for chapter, (stem, _) in CHAPTERS.items():
+        for folder, solved in (("exercises", False), ("solutions", True)):
+            files.append((folder, stem, solved, render(chapter, solved)))
+    for hunt in bughunts.BUG_HUNTS:
+        for folder, solved in (("exercises", False), ("solutions", True)):
+            body = bughunts.render(hunt, fixed=solved)
+            files.append((folder, hunt.stem, solved, body + "\n" + HASH_PREFIX + _digest(body) + "\n"))
+    return files
+
+
 def build(force: bool = False, root: Path = ROOT) -> list[Path]:
     """Write exercises/ and solutions/ from the library; refuse to overwrite an edited file."""
     written = []
-    for chapter, (stem, _) in CHAPTERS.items():
-        for folder, solved in (("exercises", False), ("solutions", True)):
-            text = render(chapter, solved)
-            path = root / folder / f"{stem}.py"
-            if text is None:
-                continue
-            if path.exists() and not force and not is_pristine(path):
-                raise SystemExit(
-                    f"refusing to overwrite {path}: it was edited after the last build "
-                    "(a learner's work?). Move it away or pass --force."
-                )
-            if not path.exists() or path.read_text() != text:
-                path.parent.mkdir(exist_ok=True)
-                path.write_text(text)
-                written.append(path)
+    for folder, stem, _solved, text in generated_files():
+        path = root / folder / f"{stem}.py"
+        if text is None:
+            continue
+        if path.exists() and not force and not is_pristine(path):
+            raise SystemExit(
+                f"refusing to overwrite {path}: it was edited after the last build "
+                "(a learner's work?). Move it away or pass --force."
+            )
+        if not path.exists() or path.read_text() != text:
+            path.parent.mkdir(exist_ok=True)
+            path.write_text(text)
+            written.append(path)
     return written
 
 
 def check(root: Path = ROOT) -> list[str]:
     """Problems that make exercises/ or solutions/ differ from what build would write."""
     problems = []
-    for chapter, (stem, _) in CHAPTERS.items():
-        for folder, solved in (("exercises", False), ("solutions", True)):
-            text = render(chapter, solved)
-            path = root / folder / f"{stem}.py"
-            if text is None and path.exists():
-                problems.append(f"{path} exists but chapter {chapter} has no marked exercises")
-            elif text is not None and (not path.exists() or path.read_text() != text):
-                problems.append(f"{path} is out of date: run `python -m minitrain.exercises build`")
+    for folder, stem, _solved, text in generated_files():
+        path = root / folder / f"{stem}.py"
+        if text is None and path.exists():
+            problems.append(f"{path} exists but its chapter has no marked exercises")
+        elif text is not None and (not path.exists() or path.read_text() != text):
+            problems.append(f"{path} is out of date: run `python -m minitrain.exercises build`")
     return problems
 
 
@@ -306,6 +318,7 @@ def start(
     copied = []
     for folder, pattern, dest in (
         ("exercises", "ex*.py", root / target),
+        ("exercises", "bughunt*.py", root / target),
         ("notebooks", "*.ipynb", root / notebooks),
     ):
         dest.mkdir(exist_ok=True)

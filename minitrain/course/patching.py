@@ -11,6 +11,7 @@ inside the library — chapter 4's DDP calling ``ring_all_reduce`` — runs the 
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import inspect
 import os
@@ -18,6 +19,7 @@ import sys
 import types
 from pathlib import Path
 
+from minitrain.course.bughunts import BUG_HUNTS, BugHunt
 from minitrain.course.exercises import CHAPTERS, Exercise, chapter_exercises
 from minitrain.launch import add_rank_initializer
 
@@ -56,6 +58,16 @@ def apply_patches(
         for ex in exs:
             _patch_one(ex, learner, path)
             patched.append(f"{ex.module}.{ex.qualname}")
+    for hunt in BUG_HUNTS:  # a bug hunt: one function of the library, as the learner fixed it
+        path = folder / f"{hunt.stem}.py"
+        if (chapters is not None and hunt.chapter not in chapters) or not path.exists():
+            continue
+        spec = importlib.util.spec_from_file_location(f"_minitrain_learner_{hunt.stem}", path)
+        learner = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(learner)
+        importlib.import_module(hunt.module)
+        _patch_one(hunt, learner, path)
+        patched.append(f"{hunt.module}.{hunt.qualname}")
     if in_every_rank and _active is None:
         chosen = None if chapters is None else sorted(chapters)
         add_rank_initializer(
@@ -77,7 +89,7 @@ def _add_learners_names(learner, exs: list[Exercise]) -> None:
                 target[name] = value
 
 
-def _patch_one(ex: Exercise, learner, path: Path) -> None:
+def _patch_one(ex: Exercise | BugHunt, learner, path: Path) -> None:
     target_module = sys.modules[ex.module]
     owner = getattr(target_module, ex.class_name) if ex.class_name else target_module
     original = inspect.getattr_static(owner, ex.name)

@@ -1,0 +1,410 @@
+"""What a person sees in JupyterLab, checked in a real browser (issue 21).
+
+``JupyterLab`` starts a server on 127.0.0.1 (a free port, a token) over a *copy* of the course
+(JupyterLab autosaves: the committed notebooks must not be touched), with its own settings:
+every cell kept in the page (no windowing), no news pop-up. ``NotebookPage`` drives one
+notebook in headless Chromium through JupyterLab's own commands (``window.jupyterapp``,
+exposed with ``--LabApp.expose_app_in_browser``): Run All, wait for the kernel, read every
+cell's outputs from the notebook model, then move each ipywidgets control of every widget and
+wait — bounded — for the widget's view to change.
+
+Chromium: Debian's ``chromium`` package driven by Playwright through ``executable_path``
+(Playwright's own browser download needs general internet). ``find_chromium()`` says where.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+SCREENSHOTS = ROOT / "browser-screenshots"  # git-ignored: for a person to look at
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+
+# every ipywidgets control the course's widgets use, and how a person moves it
+CONTROLS = ", ".join(
+    [
+        ".widget-slider .noUi-handle",  # IntSlider, FloatSlider, SelectionSlider (noUiSlider)
+        ".widget-dropdown select",
+        ".widget-toggle-buttons button",
+        ".widget-toggle-button",
+        ".widget-checkbox input[type=checkbox]",
+        ".widget-radio-box input[type=radio]",
+        ".widget-text input[type=number]",  # IntText, FloatText
+        ".widget-button",
+    ]
+)
+
+
+def find_chromium() -> str | None:
+    """A Chromium executable: MINITRAIN_CHROMIUM, else Debian's or Ubuntu's on the PATH."""
+    chosen = os.environ.get("MINITRAIN_CHROMIUM")
+    if chosen:
+        return chosen if Path(chosen).exists() else None
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def course_copy(dest: Path, notebooks: list[Path] | None = None) -> Path:
+    """A copy of notebooks/ next to links to the rest of the course (a notebook may read
+    ``../solutions``); returns the copy's notebooks folder."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for entry in ROOT.iterdir():
+        if entry.name not in ("notebooks", ".git", ".venv") and not entry.name.startswith("."):
+            (dest / entry.name).symlink_to(entry)
+    folder = dest / "notebooks"
+    folder.mkdir()
+    for nb in notebooks if notebooks is not None else sorted((ROOT / "notebooks").glob("*.ipynb")):
+        shutil.copyfile(nb, folder / nb.name)
+    return folder
+
+
+class JupyterLab:
+    """A JupyterLab server on 127.0.0.1 with a token, serving ``root``; a context manager."""
+
+    def __init__(self, root: Path, workdir: Path, startup_timeout: float = 90):
+        self.root, self.workdir, self.timeout = root, workdir, startup_timeout
+        self.token = secrets.token_hex(16)
+        self.url = None
+        self.proc = None
+
+    def __enter__(self) -> JupyterLab:
+        settings = self.workdir / "settings"
+        for plugin, values in {
+            "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none"},
+            "@jupyterlab/apputils-extension/notification": {
+                "fetchNews": "false",
+                "checkForUpdates": False,
+            },
+        }.items():
+            path = settings / f"{plugin}.jupyterlab-settings"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(values))
+        env = dict(
+            os.environ,
+            JUPYTERLAB_SETTINGS_DIR=str(settings),
+            JUPYTERLAB_WORKSPACES_DIR=str(self.workdir / "workspaces"),
+            JUPYTER_RUNTIME_DIR=str(self.workdir / "runtime"),
+            OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+        )
+        cmd = [
+            sys.executable, "-m", "jupyterlab", "--no-browser",
+            "--ServerApp.ip=127.0.0.1", "--ServerApp.port=0",  # the OS picks a free port
+            f"--IdentityProvider.token={self.token}",
+            f"--ServerApp.root_dir={self.root}",
+            "--LabApp.expose_app_in_browser=True",
+        ]  # fmt: skip
+        if hasattr(os, "getuid") and os.getuid() == 0:
+            cmd.append("--allow-root")  # containers and CI run as root
+        self.log = open(self.workdir / "jupyterlab.log", "w+")  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            found = re.search(r"(http://127\.0\.0\.1:\d+)/lab", Path(self.log.name).read_text())
+            if found:
+                self.url = found[1]
+                return self
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.3)
+        self.__exit__()
+        raise RuntimeError(
+            f"JupyterLab did not start within {self.timeout:.0f} s:\n{Path(self.log.name).read_text()[-3000:]}"
+        )
+
+    def __exit__(self, *exc):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self.log.close()
+
+    def page_url(self, path: str) -> str:
+        return f"{self.url}/{path}?token={self.token}"
+
+
+def launch_browser(playwright):
+    return playwright.chromium.launch(
+        executable_path=find_chromium(),
+        headless=True,
+        args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"],
+    )
+
+
+@dataclass
+class NotebookReport:
+    name: str
+    seconds: float = 0.0
+    errors: list[str] = field(default_factory=list)  # cells with an error output
+    widgets: int = 0  # widget outputs the kernel displayed
+    rendered: int = 0  # ... of which the page shows
+    controls: list[str] = field(default_factory=list)  # "widget 1: dropdown → changed"
+    problems: list[str] = field(default_factory=list)  # what a person would see go wrong
+    screenshots: list[str] = field(default_factory=list)
+
+
+# JavaScript run in the page (JupyterLab's own objects, see the module docstring)
+_READY = """async () => {
+  const app = window.jupyterapp;
+  if (!app) return false;
+  await app.restored;
+  const panel = app.shell.currentWidget;
+  if (!panel || !panel.sessionContext || !panel.content || !panel.content.widgets) return false;
+  if (!app.commands.hasCommand('notebook:run-all-cells')) return false;
+  window.__minitrainPanel = panel;  // the shell's current widget follows focus; this does not
+  await panel.context.ready; await panel.sessionContext.ready;
+  const kernel = panel.sessionContext.session && panel.sessionContext.session.kernel;
+  return !!kernel && kernel.connectionStatus === 'connected' && kernel.status === 'idle';
+}"""
+_RUN_ALL = "async () => await window.jupyterapp.commands.execute('notebook:run-all-cells')"
+_BUSY = """() => {
+  const p = window.__minitrainPanel;
+  const k = p.sessionContext.session.kernel;
+  return k.status !== 'idle' || p.content.widgets.some(
+    c => c.model.type === 'code' && /\\*/.test(c.node.querySelector('.jp-InputPrompt').textContent));
+}"""
+_OUTPUTS = """() => window.__minitrainPanel.content.widgets.map((c, i) => {
+  if (c.model.type !== 'code') return null;
+  const outs = c.model.outputs.toJSON();
+  return {index: i, count: c.model.executionCount, source: c.model.sharedModel.getSource().slice(0, 80),
+          errors: outs.filter(o => o.output_type === 'error').map(o => o.ename + ': ' + o.evalue),
+          widgets: outs.filter(o => o.data && o.data[MIME]).length};
+})""".replace("MIME", repr(WIDGET_MIME))
+
+
+_DESCRIBE = """e => {
+  const box = e.closest('.widget-inline-hbox, .widget-checkbox, .widget-button, .widget-toggle-button') || e;
+  const kinds = ['dropdown', 'hslider', 'toggle-buttons', 'checkbox', 'text', 'toggle-button',
+                 'button', 'radio-box'];
+  const kind = kinds.find(k => box.classList.contains('widget-' + k)) || e.tagName.toLowerCase();
+  const label = ((box.querySelector('.widget-label') || {}).textContent || '').trim();
+  const button = e.tagName === 'BUTTON' ? ' → ' + e.textContent.trim() : '';
+  return kind + (label ? ' "' + label + '"' : '') + button;
+}"""
+
+
+# what a widget shows, without its controls (a slider's own read-out changes when it moves)
+_SHOWN = """e => {
+  const copy = e.cloneNode(true);
+  copy.querySelectorAll('.widget-slider, .widget-hslider, .widget-vslider, .widget-dropdown,'
+    + ' .widget-toggle-buttons, .widget-checkbox, .widget-text, .widget-button,'
+    + ' .widget-toggle-button, .widget-radio-box').forEach(c => c.remove());
+  return copy.innerHTML;
+}"""
+
+
+class NotebookPage:
+    """One notebook open in a Chromium page of ``lab``."""
+
+    def __init__(self, browser, lab: JupyterLab, path: str, viewport=(1280, 900)):
+        self.page = browser.new_page(viewport={"width": viewport[0], "height": viewport[1]})
+        self.lab, self.path = lab, path
+        self.name = Path(path).stem
+
+    def open(self, timeout: float = 90) -> None:
+        self.page.goto(self.lab.page_url(f"lab/tree/{self.path}"), timeout=timeout * 1000)
+        # (wait_for_function would take an async predicate's promise for a true value)
+        deadline = time.monotonic() + timeout
+        while not self.page.evaluate(_READY):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.path}: its kernel was not ready within {timeout:.0f} s")
+            time.sleep(0.5)
+
+    def run_all(self, timeout: float) -> None:
+        """Run All, then wait until the kernel is idle and no cell is waiting ([*])."""
+        self.page.evaluate(_RUN_ALL)
+        self.page.wait_for_function(f"() => !({_BUSY})()", timeout=timeout * 1000, polling=500)
+
+    def cells(self) -> list[dict]:
+        return [c for c in self.page.evaluate(_OUTPUTS) if c is not None]
+
+    def widget_outputs(self):
+        # a widget view's output carries no mime type (a renderer's does); top level only
+        # this notebook's panel only: JupyterLab restores earlier notebooks as hidden tabs
+        panel = self.page.evaluate("() => window.__minitrainPanel.id")
+        return self.page.locator(
+            f"[id='{panel}'] .jp-Cell-outputArea > .jp-OutputArea-child"
+            " > .jp-OutputArea-output:not([data-mime-type])"
+        )
+
+    def check(self, settle: float = 30, shots: Path | None = None) -> NotebookReport:
+        """Every code cell ran without an error output; every widget the kernel displayed is
+        rendered; moving each of its controls changes what it shows within ``settle`` s."""
+        report = NotebookReport(self.name)
+        for c in self.cells():
+            if c["count"] is None:
+                report.errors.append(f"cell {c['index']} did not run: {c['source']!r}")
+            for e in c["errors"]:
+                report.errors.append(f"cell {c['index']} shows an error: {e[:300]}")
+            report.widgets += c["widgets"]
+        outputs = self.widget_outputs()
+        report.rendered = outputs.count()
+        if report.rendered != report.widgets:
+            report.problems.append(
+                f"the kernel displayed {report.widgets} widget(s), the page shows {report.rendered}"
+            )
+        for i in range(report.rendered):
+            self._check_widget(outputs.nth(i), i + 1, settle, report, shots)
+        return report
+
+    def _check_widget(self, out, number: int, settle: float, report, shots) -> None:
+        out.scroll_into_view_if_needed()
+        text = out.inner_text()
+        if "Error displaying widget" in text or out.locator(".jupyter-widgets").count() == 0:
+            report.problems.append(f"widget {number} is not rendered: {text[:200]!r}")
+            return
+        if shots is not None:
+            report.screenshots.append(self._shot(out, shots / f"{self.name}-w{number}-before.jpg"))
+        controls = out.locator(CONTROLS)
+        if controls.count() == 0:
+            report.problems.append(f"widget {number} has no control to move")
+        for k in range(controls.count()):
+            control = controls.nth(k)
+            if not control.is_visible() or not control.is_enabled():
+                continue  # e.g. the selected one of a set of toggle buttons
+            kind = control.evaluate(_DESCRIBE)
+            if "mod-active" in (control.get_attribute("class") or ""):
+                continue  # already pressed: pressing it again changes nothing
+            before = out.evaluate(_SHOWN)
+            self._move(control)
+            changed = self._wait_changed(out, before, settle)
+            report.controls.append(
+                f"widget {number}: {kind} {'changed' if changed else 'NO CHANGE'}"
+            )
+            if not changed:
+                report.problems.append(
+                    f"widget {number}: moving its {kind} (control {k + 1}) changed nothing "
+                    f"within {settle:.0f} s"
+                )
+            errors = out.locator('[data-mime-type="application/vnd.jupyter.stderr"]')
+            if errors.count():
+                report.problems.append(
+                    f"widget {number}: shows an error after moving its {kind}: "
+                    f"{errors.first.inner_text()[:300]!r}"
+                )
+        if shots is not None:
+            report.screenshots.append(self._shot(out, shots / f"{self.name}-w{number}-after.jpg"))
+
+    def _move(self, control) -> None:
+        tag = control.evaluate("e => e.tagName.toLowerCase() + ':' + (e.type || '')")
+        if tag.startswith("select"):
+            options = control.locator("option")
+            current = control.evaluate("e => e.selectedIndex")
+            control.select_option(index=(current + 1) % options.count())
+        elif tag == "input:number":
+            control.focus()
+            control.press("ArrowUp")
+            control.press("Enter")
+        elif "noUi-handle" in (control.get_attribute("class") or ""):
+            control.focus()
+            at_max = control.get_attribute("aria-valuenow") == control.get_attribute(
+                "aria-valuemax"
+            )
+            control.press("ArrowLeft" if at_max else "ArrowRight")
+        else:
+            control.click()
+
+    def _wait_changed(self, out, before: str, settle: float) -> bool:
+        """True once the widget's view differs from ``before`` and has stopped changing
+        (a re-plot first clears, then draws); False after ``settle`` s without a change."""
+        deadline = time.monotonic() + settle
+        while time.monotonic() < deadline:
+            now = out.evaluate(_SHOWN)
+            if now != before:
+                time.sleep(0.3)
+                while out.evaluate(_SHOWN) != now and time.monotonic() < deadline:
+                    now = out.evaluate(_SHOWN)
+                    time.sleep(0.3)
+                self.page.wait_for_function(f"() => !({_BUSY})()", timeout=settle * 1000)
+                return True
+            time.sleep(0.2)
+        return False
+
+    def _shot(self, locator, path: Path) -> str:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        locator.screenshot(path=str(path), type="jpeg", quality=60)
+        return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+    def close(self) -> None:
+        """Shut the kernel down and close the tab (the next notebook gets the cores)."""
+        try:
+            self.page.evaluate(
+                """async () => { const p = window.__minitrainPanel;
+                   if (p) { await p.sessionContext.shutdown(); p.dispose(); } }"""
+            )
+        finally:
+            self.page.close()
+
+
+def tiny_notebook(path: Path, *code_cells: str, slides: bool = True) -> Path:
+    """A small notebook for the browser checks' own tests: a title, then one ``##`` section per
+    code cell, marked up for slides by the course's own tool."""
+    import nbformat
+
+    from minitrain.course.notebooks import KERNELSPEC, mark_slides
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells.append(nbformat.v4.new_markdown_cell(f"# {path.stem}"))
+    for i, code in enumerate(code_cells):
+        nb.cells.append(nbformat.v4.new_markdown_cell(f"## Part {i + 1}"))
+        nb.cells.append(nbformat.v4.new_code_cell(code))
+    nb.metadata["kernelspec"] = KERNELSPEC
+    if slides:
+        mark_slides(nb)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    nbformat.write(nb, path)
+    return path
+
+
+# a widget as the course builds them: a control, and a status line recomputed when it moves
+GOOD_WIDGET = """import ipywidgets as w
+ranks = w.IntSlider(value=3, min=1, max=8, description="ranks")
+messages = w.HTML()
+def show(change=None):
+    messages.value = f"<b>{ranks.value} ranks → {2 * (ranks.value - 1)} messages</b>"
+ranks.observe(show, "value")
+show()
+w.VBox([ranks, messages])"""
+
+# the browser check's own test: what each kind of broken widget must be reported as
+FROZEN_WIDGET = """import ipywidgets as w
+frozen = w.IntSlider(value=3, min=1, max=8, description="frozen")
+frozen_status = w.HTML("<b>never updated</b>")  # forgot frozen.observe(...)
+w.VBox([frozen, frozen_status])"""
+
+RAISING_WIDGET = """import ipywidgets as w
+bad = w.IntSlider(value=3, min=1, max=8, description="raises")
+bad_status = w.HTML("<b>3</b>")
+def replot(change):
+    raise RuntimeError("the re-plot failed")
+bad.observe(replot, "value")
+w.VBox([bad, bad_status])"""
+
+UNRENDERED_WIDGET = """from IPython.display import display
+# a view of a widget model the page does not have: what a front-end/kernel mismatch looks like
+display({"application/vnd.jupyter.widget-view+json":
+         {"model_id": "0" * 32, "version_major": 2, "version_minor": 0}}, raw=True)"""
+
+ERROR_CELL = "1 / 0"
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
