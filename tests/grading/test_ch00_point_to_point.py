@@ -83,8 +83,9 @@ def test_pass_the_token(world_size):
             f"rank {rank}: returned a tensor of shape {tuple(mine.shape)}, expected {tuple(want.shape)}"
         )
         assert torch.equal(mine, want), (
-            f"with {world_size} ranks, rank {rank} returned {mine.flatten()[:3].tolist()}…, "
-            f"expected {want.flatten()[:3].tolist()}…"
+            f"pass_the_token with {world_size} ranks: rank {rank} returned "
+            f"{mine.flatten()[:3].tolist()}…, expected {want.flatten()[:3].tolist()}… "
+            f"(rank r adds r + 1; rank 0 returns the token after its trip round the ring)"
         )
 
 
@@ -95,7 +96,14 @@ def _broadcast_vs_torch(src, dtype):
     mine = torch.full((5,), float(rank * 10 + 1), dtype=dtype)
     ref = mine.clone()
     with _record_calls() as calls:
-        returned = broadcast(mine, src=src)
+        try:
+            returned = broadcast(mine, src=src)
+        except RuntimeError as exc:  # gloo's words ("Pair is not connected") say little
+            raise RuntimeError(
+                f"rank {rank}: broadcast(src={src}) failed in a send or recv — does a rank send to "
+                f"or receive from itself, or from a rank other than src? torch says: "
+                f"{str(exc).splitlines()[0].split('] ')[-1][:100]}"
+            ) from None
     dist.broadcast(ref, src=src)
     return mine, ref, returned is mine, calls
 

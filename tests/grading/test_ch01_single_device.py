@@ -38,7 +38,8 @@ def test_estimate_training_memory(params):
     for precision, gb in zip(("fp32", "mixed"), TABLE[params]):
         est = memory.estimate_training_memory(int(params), precision)
         assert est["total"] == gb * 1e9, (
-            f"{params / 1e9:g}B parameters in {precision}: total {est['total'] / 1e9:g} GB, "
+            f"estimate_training_memory for {params / 1e9:g}B parameters in {precision}: "
+            f"total {est['total'] / 1e9:g} GB, "
             f"the table says {gb} GB"
         )
         parts = sum(v for k, v in est.items() if k != "total")
@@ -113,7 +114,9 @@ def test_accumulate_gradients(rows, micro):
     micro_batches = list(zip(x.split(micro), y.split(micro)))
     loss = train_step_mod.accumulate_gradients(model, micro_batches)
     assert loss == pytest.approx(big.item(), rel=1e-9), (
-        f"returned loss {loss:.6f}, the mean loss of the whole batch is {big.item():.6f}"
+        f"accumulate_gradients returned loss {loss:.6f} for {len(micro_batches)} micro-batches; "
+        f"the mean loss of the whole batch is {big.item():.6f} (is each micro-batch loss "
+        f"weighted by its share of the tokens?)"
     )
     for (name, p), r in zip(model.named_parameters(), ref):
         assert p.grad is not None, f"{name} has no gradient after accumulate_gradients"

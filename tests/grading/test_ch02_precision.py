@@ -152,5 +152,6 @@ def test_master_weights_keep_tiny_updates():
         f"after 20 updates of -1e-4 the fp32 master should be 0.998, got {master}"
     )
     assert model.weight.item() == float(torch.tensor(master).half()), (
-        "the fp16 weight should be the master rounded to fp16"
+        f"after step the fp16 weight is {model.weight.item()}; it should be the fp32 master "
+        f"{master} rounded to fp16, {float(torch.tensor(master).half())} (copy the master back)"
     )

@@ -1,0 +1,214 @@
+"""One typical wrong answer per exercise, and what its grading message must say (issue 21).
+
+Each entry is a mistake a learner really makes (an off-by-one, a sum instead of a mean, a
+forgotten rescale or division by the world size), written as an exact replacement of ``old``
+by ``new`` in the solution file of its chapter (``solutions/exNN_*.py``; ``old`` occurs there
+exactly once), and the words the grader's message for that function must contain — the
+function's name and the offending values, so a learner can act on it without pytest's
+internals. ``tests/test_wrong_answer_messages.py`` grades a few of them (SAMPLE) on every run,
+so the messages cannot silently regress; ``python tests/grading/wrong_answers.py N`` grades
+every wrong answer of chapter N and prints the messages, for reading them as a learner does.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class WrongAnswer(NamedTuple):
+    chapter: int
+    function: str
+    mistake: str  # in the words of the table of issue 21's report
+    old: str
+    new: str
+    words: tuple[str, ...]  # the grading message must contain each (case-insensitive)
+
+
+W = WrongAnswer
+WRONG_ANSWERS = [
+    # chapter 0: point to point
+    W(0, "pass_the_token", "adds rank instead of rank + 1",
+      "held += rank + 1", "held += rank", ("pass_the_token with 2 ranks: rank 0 returned",)),
+    W(0, "broadcast", "receives from rank 0 instead of src",
+      "dist.recv(tensor, src, group=group)", "dist.recv(tensor, 0, group=group)",
+      ("rank 0: broadcast(src=2) failed", "receive from itself")),
+    # chapter 1: single device
+    W(1, "gpt_num_params", "forgets the position embeddings",
+      "embeddings = v * h + s * h", "embeddings = v * h", ("gpt_num_params gives 108288", "the model has 110336")),
+    W(1, "estimate_training_memory", "total counts the weights only",
+      'parts["total"] = sum(parts.values())', 'parts["total"] = 4 * num_params',
+      ("estimate_training_memory for 1B parameters in fp32: total 4 GB", "16 GB")),
+    W(1, "block_activation_bytes", "forgets the attention scores (a*s*s*b)",
+      "(8 * s * b * h + 2 * s * b * f + a * s * s * b) * e", "(8 * s * b * h + 2 * s * b * f) * e",
+      ("block_activation_bytes(b=2, s=16", "= 131584", "autograd saves 139776")),
+    W(1, "accumulate_gradients", "sums the micro-batch losses instead of weighting them",
+      "loss = loss_fn(model(x), y) * (y.numel() / total)", "loss = loss_fn(model(x), y)",
+      ("accumulate_gradients returned loss 12.467809", "mean loss", "4.155936")),
+    # chapter 2: precision
+    W(2, "round_significand", "rounds half up instead of half to even",
+      "round_up = (remainder > half) | ((remainder == half) & ((q & 1) == 1))",
+      "round_up = remainder >= half", ("round_significand(", "expected")),
+    W(2, "decode", "subnormal exponent off by one",
+      "math.ldexp(mantissa, 1 - self.bias - m_bits)", "math.ldexp(mantissa, -self.bias - m_bits)",
+      ("FP16.decode(0x0001) gave 2.98", "torch reads")),
+    W(2, "update", "grows the scale one step late",
+      "self._growth_tracker == self.growth_interval", "self._growth_tracker > self.growth_interval",
+      ("after step 2 your scale is 256.0", "GradScaler has 512.0")),
+    W(2, "step", "forgets to copy the master weights back to the model",
+      "p.copy_(m)", "pass", ("model parameter 0 is not its master copy",)),
+    # chapter 3: checkpointing
+    W(3, "forward", "does not save the RNG state",
+      "ctx.rng_state = get_rng_state(_accelerators(tensors)) if preserve_rng_state else None",
+      "ctx.rng_state = None", ("dropout mask", "RNG state")),
+    W(3, "backward", "returns no gradient slot for preserve_rng_state",
+      "return (None, None, *input_grads)", "return (None, *input_grads)",
+      ("CheckpointFunction.backward", "one gradient per argument", "expected 5, got 4")),
+    W(3, "choose_segments", "counts k saved inputs instead of k - 1",
+      "k: (k - 1) * input_bytes", "k: k * input_bytes", ("choose_segments(64, 10, 10, budget_bytes=640) returned 2",)),
+    # chapter 4: collectives and DDP
+    W(4, "ring_reduce_scatter", "accumulates the wrong chunk (off by one)",
+      "c = (rank - step - 2) % world", "c = (rank - step - 1) % world",
+      ("ring_reduce_scatter", "rank")),
+    W(4, "ring_all_gather", "forgets to place its own chunk",
+      "chunks[rank].copy_(flat_in)", "pass", ("ring_all_gather", "rank")),
+    W(4, "ring_all_reduce", "reduce-scatters but never all-gathers",
+      "ring_all_gather(flat, mine, group)", "pass", ("ring_all_reduce", "rank")),
+    W(4, "assign_buckets", "buckets in forward order, not the order gradients arrive",
+      "current_bytes = [], [], 0\n    for i in reversed(range(len(params))):",
+      "current_bytes = [], [], 0\n    for i in range(len(params)):",
+      ("assign_buckets",)),
+    W(4, "_on_grad_ready", "sums the gradients but forgets to divide by the world size",
+      "torch.div(param.grad.reshape(-1), self.world_size, out=bucket.view(k))",
+      "bucket.view(k).copy_(param.grad.reshape(-1))", ("rank",)),
+    # chapter 5: ZeRO and FSDP
+    W(5, "partition_parameters", "round-robin instead of the least-loaded rank",
+      "r = min(range(world_size), key=lambda r: (loads[r], r))", "r = i % world_size",
+      ("partition_parameters",)),
+    W(5, "step", "forgets to advance the offset in the gathered buffer",
+      "                    offset += n", "                    offset += 0", ("rank",)),
+    W(5, "_pre_forward", "ZeRO-3: forgets to prefetch the next block",
+      "            self._start_gather(self.units[index + 1])", "            pass", ()),
+    W(5, "_post_forward", "ZeRO-3: keeps the gathered block after its forward",
+      "self._free(self.units[index])\n        if torch.is_grad_enabled()",
+      "if torch.is_grad_enabled()", ()),
+    W(5, "_pre_forward", "FSDP: never frees the earlier units",
+      "for earlier in self.units[:index]:\n            self._free(earlier)",
+      "for earlier in self.units[:index]:\n            pass", ()),
+    W(5, "_post_forward", "FSDP: keeps the unit gathered after its forward",
+      "self._free(self.units[index])\n        for t in", "for t in", ()),
+    W(5, "_launch_reduce_scatter", "counts elements, not bytes",
+      "count_sent(kind, u.padded * buf.element_size(), self.world_size)",
+      "count_sent(kind, u.padded, self.world_size)", ("bytes",)),
+    # chapter 6: tensor parallelism
+    W(6, "forward", "copy to the region: returns x itself, not a view",
+      "return x.view_as(x)", "return x", ()),
+    W(6, "backward", "copy to the region: forgets the all-reduce of the gradient",
+      "return all_reduce(grad.contiguous().clone(), ctx.group), None", "return grad, None", ()),
+    W(6, "forward", "reduce from the region: forgets the all-reduce",
+      "return all_reduce(x.contiguous().clone(), group)", "return x.clone()", ()),
+    W(6, "backward", "reduce from the region: all-reduces the gradient again",
+      "        return grad, None", "        return all_reduce(grad.clone(), ctx.group), None", ()),
+    W(6, "forward", "column-parallel: forgets f (no all-reduce of the input gradient)",
+      "x = copy_to_parallel_region(x, self.group)", "pass", ()),
+    W(6, "forward", "row-parallel: adds the bias on every rank before the sum",
+      "partial = F.linear(x, self.weight)", "partial = F.linear(x, self.weight, self.bias)", ()),
+    W(6, "forward", "vocab-parallel cross-entropy: local max instead of the global one",
+      "m = all_reduce(z.max(dim=-1).values, group, dist.ReduceOp.MAX)",
+      "m = z.max(dim=-1).values", ()),
+    W(6, "backward", "vocab-parallel cross-entropy: gradient not divided by the token count",
+      "grad *= grad_loss / mine.numel()", "grad *= grad_loss", ()),
+    # chapter 7: pipeline parallelism
+    W(7, "one_f_one_b_schedule", "one warm-up forward too many",
+      "warmup = min(p - s - 1, m)", "warmup = min(p - s, m)", ("one_f_one_b_schedule",)),
+    W(7, "run_action", "the received activation does not require grad",
+      'x = stage.recv("F", mb, v - 1, state).requires_grad_()',
+      'x = stage.recv("F", mb, v - 1, state)', ("rank",)),
+    W(7, "bubble_fraction", "returns the busy fraction instead of the idle one",
+      "return 1 - busy / (p * max(free))", "return busy / (p * max(free))",
+      ("bubble_fraction",)),
+    # chapter 8: mixture of experts
+    W(8, "top_k_routing", "does not renormalise the top-k weights",
+      "weights = chosen / chosen.sum(dim=-1, keepdim=True)", "weights = chosen",
+      ("top_k_routing",)),
+    W(8, "sort_by_expert", "bincount without minlength (an expert with no rows is dropped)",
+      "torch.bincount(expert_of_row, minlength=num_experts)", "torch.bincount(expert_of_row)",
+      ("sort_by_expert",)),
+    W(8, "unsort", "applies the permutation again instead of its inverse",
+      "return out.index_copy(0, order, sorted_rows)", "return sorted_rows[order]",
+      ("unsort",)),
+    W(8, "load_balancing_loss", "forgets to multiply by the number of experts",
+      "return num_experts * (f * p).sum()", "return (f * p).sum()", ("load_balancing_loss",)),
+    # chapter 9: flash attention
+    W(9, "online_softmax_update", "forgets to rescale the accumulator",
+      "acc_new = alpha[..., None] * acc +", "acc_new = acc +", ("online_softmax_update",)),
+    W(9, "forward_query_block", "forgets the final division by the row sum",
+      "return acc / row_sum[..., None], m + torch.log(row_sum)",
+      "return acc, m + torch.log(row_sum)", ("forward_query_block",)),
+    W(9, "block_backward", "forgets the softmax scale in dK",
+      "dk_j = (ds.to(q_i.dtype).transpose(-2, -1) @ q_i).float() * scale",
+      "dk_j = (ds.to(q_i.dtype).transpose(-2, -1) @ q_i).float()", ("block_backward",)),
+    # chapter 10: context parallelism
+    W(10, "merge_attention", "keeps the larger log-sum-exp instead of adding the two",
+      "lse = m + torch.log(total)", "lse = m", ("merge_attention",)),
+    W(10, "ring_step", "overwrites the partial result instead of merging",
+      "outs[i], lses[i] = merge_attention(outs[i], lses[i], out, lse)",
+      "outs[i], lses[i] = out, lse", ("ring_step",)),
+    # chapter 11: putting it together
+    W(11, "rank_coords", "splits the rank's digits in the wrong axis order",
+      "for axis in reversed(AXES):", "for axis in AXES:", ("rank_coords",)),
+    W(11, "axis_groups", "forgets the stride: consecutive ranks in every group",
+      "groups.append([start + i * stride for i in range(sizes[axis])])",
+      "groups.append([start + i for i in range(sizes[axis])])", ("axis_groups",)),
+    W(11, "params_per_rank", "forgets to split the embedding over tp",
+      "total += v * h // t + config.seq_len * h", "total += v * h + config.seq_len * h",
+      ("params_per_rank",)),
+]
+
+
+def solution_file(chapter: int) -> Path:
+    from minitrain.course.exercises import CHAPTERS
+
+    return ROOT / "solutions" / f"{CHAPTERS[chapter][0]}.py"
+
+
+def apply(answers: list[WrongAnswer], folder: Path) -> None:
+    """Copy solutions/ to folder and write the wrong answers into the copy."""
+    shutil.copytree(ROOT / "solutions", folder, dirs_exist_ok=True)
+    for a in answers:
+        path = folder / solution_file(a.chapter).name
+        text = path.read_text()
+        if text.count(a.old) != 1:
+            raise ValueError(
+                f"wrong answer for {a.function} (chapter {a.chapter}): its old text occurs "
+                f"{text.count(a.old)} times in {path.name}, not once: {a.old!r}"
+            )
+        path.write_text(text.replace(a.old, a.new))
+
+
+def grade(answers: list[WrongAnswer], chapter: int, timeout: float = 60) -> str:
+    """The grader's printed table for chapter, with the wrong answers written in."""
+    with tempfile.TemporaryDirectory(prefix="minitrain-wrong-") as tmp:
+        apply(answers, Path(tmp))
+        cmd = [sys.executable, "-m", "minitrain.grade", str(chapter), "--source", tmp,
+               f"--timeout={timeout:g}"]
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True).stdout
+
+
+if __name__ == "__main__":
+    # python tests/grading/wrong_answers.py N [index | all]: each wrong answer of chapter N
+    # graded alone (or the one at index; or all of them written in together, one run)
+    chapter = int(sys.argv[1])
+    mine = [a for a in WRONG_ANSWERS if a.chapter == chapter]
+    which = sys.argv[2] if len(sys.argv) > 2 else None
+    if which == "all":
+        print(grade(mine, chapter))
+    for a in [] if which == "all" else [mine[int(which)]] if which else mine:
+        print(f"=== {a.function}: {a.mistake}")
+        print(grade([a], chapter))
