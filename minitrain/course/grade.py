@@ -52,6 +52,11 @@ def plain_words(excinfo) -> str:
         if "NotImplementedError" in text:
             found = re.findall(r"NotImplementedError: (.*)", text)
             return f"not written yet ({found[-1] if found else first})"
+        if "died (signal" in first:  # gloo aborts (SIGABRT) on a recv whose size differs
+            return (
+                first + " — did each recv expect the size its matching send sent? gloo stops "
+                "a process when they differ (e.g. an off-by-one chunk index)"
+            )
         if "did not finish" in first:
             return (
                 first + " — a send without a matching recv, or ranks calling in different orders?"

@@ -132,9 +132,13 @@ def test_ring_all_reduce(world, shape, integer):
         err = (out - want).abs().max().item()
         # different summation orders differ by at most (N-1) roundings of the partial sums
         tol = 0.0 if integer else 4 * (world - 1) * torch.finfo(torch.float32).eps * 10
+        bad = ((out - want).abs() > tol).flatten()
+        i = int(bad.nonzero()[0]) if bad.any() else 0
         assert err <= tol, (
             f"ring_all_reduce on rank {rank} ({world} ranks, shape {shape}) "
-            f"differs from torch's all_reduce by {err:.3g}"
+            f"differs from torch's all_reduce by {err:.3g} at {int(bad.sum())} of {n} elements, "
+            f"e.g. element {i}: {out.flatten()[i].item():.4g}, torch gives "
+            f"{want.flatten()[i].item():.4g} — is every chunk summed, then sent to every rank?"
         )
         sizes = _sizes(n, world)
         expected = (2 * n - sizes[rank] - sizes[(rank + 1) % world]) * 4

@@ -192,7 +192,7 @@ def apply(answers: list[WrongAnswer], folder: Path) -> None:
         path.write_text(text.replace(a.old, a.new))
 
 
-def grade(answers: list[WrongAnswer], chapter: int, timeout: float = 60) -> str:
+def grade(answers: list[WrongAnswer], chapter: int, timeout: float = 120) -> str:
     """The grader's printed table for chapter, with the wrong answers written in."""
     with tempfile.TemporaryDirectory(prefix="minitrain-wrong-") as tmp:
         apply(answers, Path(tmp))
