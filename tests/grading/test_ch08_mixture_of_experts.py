@@ -40,9 +40,15 @@ def test_top_k_routing():
         want_i, want_w, want_k = _reference_routing(probs, k, capacity)
         assert torch.equal(indices, want_i), (
             f"top-{k}: chose experts {indices.tolist()}, the {k} most probable are {want_i.tolist()}")
+        if weights.shape == want_w.shape and not torch.allclose(weights, want_w.float(), atol=1e-6):
+            t = int((weights - want_w.float()).abs().amax(-1).argmax())  # the worst token
+        else:
+            t = 0
         assert torch.allclose(weights, want_w.float(), atol=1e-6), (
-            f"top-{k}: weights {weights.tolist()} should be the chosen probabilities divided by "
-            f"their sum, {want_w.tolist()} (each row sums to 1)")
+            f"top_k_routing, top-{k}: token {t}'s weights are "
+            f"{[round(w, 4) for w in weights[t].tolist()]} (they sum to "
+            f"{float(weights[t].sum()):.4g}); they should be the chosen probabilities divided by "
+            f"their sum, {[round(w, 4) for w in want_w[t].tolist()]} (each row sums to 1)")
         assert torch.equal(keep, want_k), (
             f"top-{k} with capacity {capacity}: kept {keep.int().tolist()}, expected "
             f"{want_k.int().tolist()} — each expert keeps at most {capacity} assignments, every "
@@ -98,7 +104,9 @@ def test_load_balancing_loss():
     from minitrain.moe.losses import load_balancing_loss
 
     uniform = load_balancing_loss(torch.full((8, 4), 0.25), torch.arange(8) % 4, 4)
-    assert abs(float(uniform) - 1.0) < 1e-6, f"perfectly uniform routing should give 1.0, got {float(uniform)}"
+    assert abs(float(uniform) - 1.0) < 1e-6, (
+        f"load_balancing_loss: perfectly uniform routing over 4 experts should give 1.0, got "
+        f"{float(uniform):.4g} (N times the sum over experts of f_i * P_i, N = 4)")
     collapsed = load_balancing_loss(F.one_hot(torch.zeros(6, dtype=torch.long), 4).float(),
                                     torch.zeros(6, dtype=torch.long), 4)
     assert abs(float(collapsed) - 4.0) < 1e-6, (

@@ -41,8 +41,16 @@ def test_merge_equals_attention_over_the_union(scale):
         f"merge_attention gave inf or nan with logsumexps up to {float(want_lse.max()):.0f}: "
         "exp of that overflows float32 — subtract the larger logsumexp before exponentiating")
     err_out, err_lse = (out - want_out).abs().max().item(), (lse - want_lse).abs().max().item()
-    assert err_out <= ATOL * scale, f"merged output differs from attention over all keys by {err_out:.3g}"
-    assert err_lse <= ATOL * scale, f"merged logsumexp differs from the full one by {err_lse:.3g}"
+    at = tuple(int(i) for i in torch.nonzero((out - want_out).abs() == err_out)[0])
+    assert err_out <= ATOL * scale, (
+        f"merge_attention: the merged output differs from attention over all keys by "
+        f"{err_out:.3g}; at index {at} yours is {out[at].item():.4g}, the reference "
+        f"{want_out[at].item():.4g}")
+    at = tuple(int(i) for i in torch.nonzero((lse - want_lse).abs() == err_lse)[0])
+    assert err_lse <= ATOL * scale, (
+        f"merge_attention: the merged logsumexp differs from the full one by {err_lse:.3g}; "
+        f"at index {at} yours is {lse[at].item():.4g}, log(exp(lse_a) + exp(lse_b)) is "
+        f"{want_lse[at].item():.4g}")
     swapped, _ = merge_attention(b[0], b[1], a[0], a[1])
     assert (swapped - want_out).abs().max().item() <= ATOL * scale, "merging B then A must give the same"
 
@@ -106,7 +114,10 @@ def test_ring_attention_with_your_step_equals_full_attention(layout, causal):
         where = f"rank {rank} ({layout}, causal={causal}, 3 ranks)"
         names = ("output", "dq", "dk", "dv")
         bad = {n: round(e, 6) for n, e in zip(names, errors) if not e <= ATOL}
-        assert not bad, f"{where}: ring attention differs from attention on the whole sequence: {bad}"
+        assert not bad, (
+            f"{where}: ring attention with your ring_step differs from attention on the whole "
+            f"sequence, largest differences {bad} (is each block's result merged into outs/lses "
+            f"with merge_attention?)")
         assert sent == (world - 1) * kv_bytes, (
             f"{where}: the forward sent {sent} bytes; K and V go once round the ring: "
             f"{world - 1} sends of {kv_bytes} bytes (the last step sends nothing)")
