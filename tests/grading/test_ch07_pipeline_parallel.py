@@ -22,7 +22,11 @@ def test_one_f_one_b_order_bubble_and_memory():
     want = [[(F, 0), (F, 1), (F, 2), (B, 0), (F, 3), (B, 1), (B, 2), (B, 3)],
             [(F, 0), (F, 1), (B, 0), (F, 2), (B, 1), (F, 3), (B, 2), (B, 3)],
             [(F, 0), (B, 0), (F, 1), (B, 1), (F, 2), (B, 2), (F, 3), (B, 3)]]
-    assert got == want, f"1F1B for p=3, m=4 should be {want}, got {got}"
+    bad = next((s for s in range(3) if s >= len(got) or got[s] != want[s]), 0)
+    assert got == want, (
+        f"one_f_one_b_schedule(3, 4) for stage {bad} should be {want[bad]}, got "
+        f"{got[bad] if bad < len(got) else 'no list for that stage'} (stage s runs p - s - 1 "
+        f"warm-up forwards, then alternates F and B)")
     sim = simulate(one_f_one_b_schedule(4, 8))
     assert (sim.makespan, sim.peak_in_flight) == (22, [4, 3, 2, 1]), (
         f"1F1B at p=4, m=8 with unit costs should take 22 units holding [4, 3, 2, 1] micro-batches "
@@ -62,7 +66,15 @@ def _step(cases):
         ref_loss = ref.loss(x, y)
         ref_loss.backward()
         stage = PipelineStage(model, num_chunks=v)
-        loss = stage.train_step(x, y, schedule, m)
+        try:
+            loss = stage.train_step(x, y, schedule, m)
+        except (AttributeError, TypeError, KeyError) as exc:  # bare, deep in the executor
+            # (not RuntimeError: its peers' "connection closed" must not look like this rank's)
+            hint = (" — x.grad is None: does the received activation require grad "
+                    "(.requires_grad_()) so backward fills its gradient?"
+                    if "NoneType" in str(exc) else "")
+            raise AssertionError(f"{name}: your run_action raised {type(exc).__name__}: "
+                                 f"{exc}{hint}") from exc
         refp = dict(ref.named_parameters())
         worst = max(((q.grad - refp[n].grad).abs().max().item() if q.grad is not None else float("inf"), n)
                     for n, q in stage.model.named_parameters())
@@ -98,7 +110,8 @@ def test_bubble_fraction_against_the_formulas(monkeypatch):
         for m in range(1, 7):
             got = check.bubble_fraction(gpipe_schedule(p, m))
             assert got == Fraction(p - 1, m + p - 1), (
-                f"GPipe p={p}, m={m}: got {got}, expected (p-1)/(m+p-1) = {Fraction(p - 1, m + p - 1)}")
+                f"bubble_fraction of GPipe p={p}, m={m}: got {got}, expected (p-1)/(m+p-1) = "
+                f"{Fraction(p - 1, m + p - 1)} (the idle share: 1 - busy / (p * makespan))")
     got = check.bubble_fraction(ONE_F_ONE_B_3_3)
     assert got == Fraction(2, 5), f"1F1B p=3, m=3: got {got}, expected 2/5"
     got = check.bubble_fraction(INTERLEAVED_2_2_2, num_chunks=2)

@@ -126,13 +126,14 @@ WRONG_ANSWERS = [
       "grad *= grad_loss / mine.numel()", "grad *= grad_loss", ()),
     # chapter 7: pipeline parallelism
     W(7, "one_f_one_b_schedule", "one warm-up forward too many",
-      "warmup = min(p - s - 1, m)", "warmup = min(p - s, m)", ("one_f_one_b_schedule",)),
+      "warmup = min(p - s - 1, m)", "warmup = min(p - s, m)", ("one_f_one_b_schedule(3, 4) for stage 0 should be", "got [('F', 0), ('F', 1), ('F', 2), ('F', 3)")),
     W(7, "run_action", "the received activation does not require grad",
       'x = stage.recv("F", mb, v - 1, state).requires_grad_()',
-      'x = stage.recv("F", mb, v - 1, state)', ("rank",)),
+      'x = stage.recv("F", mb, v - 1, state)',
+      ("rank 1", "your run_action raised AttributeError", "requires_grad_()")),
     W(7, "bubble_fraction", "returns the busy fraction instead of the idle one",
       "return 1 - busy / (p * max(free))", "return busy / (p * max(free))",
-      ("bubble_fraction",)),
+      ("bubble_fraction of GPipe p=1, m=1: got 1", "expected (p-1)/(m+p-1) = 0")),
     # chapter 8: mixture of experts
     W(8, "top_k_routing", "does not renormalise the top-k weights",
       "weights = chosen / chosen.sum(dim=-1, keepdim=True)", "weights = chosen",
