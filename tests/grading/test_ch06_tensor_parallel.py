@@ -78,14 +78,21 @@ def _f_case():
     return y.detach(), x.grad, want, forward_calls, backward_calls
 
 
+def _r(values):  # a few values for a message, readably
+    return [round(v, 4) for v in values]
+
+
 @pytest.mark.exercise("CopyToParallelRegion", points=2)
 def test_f_is_identity_forward_and_all_reduce_backward():
     for rank, (y, grad, want, fwd, bwd) in enumerate(launch(_f_case, 3, timeout=60)):
-        assert torch.equal(y, _same((3, 4))), f"f's forward must return its input unchanged; rank {rank} got {y[0].tolist()}"
+        assert torch.equal(y, _same((3, 4))), (
+            f"CopyToParallelRegion (f): forward must return its input unchanged; rank {rank} got "
+            f"{_r(y[0].tolist())}, its input starts {_r(_same((3, 4))[0].tolist())}")
         assert not fwd, f"f's forward must not communicate; it called {fwd}"
         assert grad is not None and torch.allclose(grad, want, atol=ATOL), (
-            f"f's backward must sum the gradient over the ranks: rank {rank}'s x.grad starts "
-            f"{None if grad is None else grad[0].tolist()}, expected {want[0].tolist()}")
+            f"CopyToParallelRegion (f): backward must sum the gradient over the ranks: rank "
+            f"{rank}'s x.grad starts "
+            f"{None if grad is None else _r(grad[0].tolist())}, expected {_r(want[0].tolist())}")
         assert [n for n, _ in bwd] == ["all_reduce"], f"f's backward should call one all_reduce, it called {bwd}"
 
 
@@ -108,12 +115,14 @@ def _g_case():
 def test_g_is_all_reduce_forward_and_identity_backward():
     for rank, (y, want, untouched, grad, upstream, fwd, bwd) in enumerate(launch(_g_case, 3, timeout=60)):
         assert torch.allclose(y, want, atol=ATOL), (
-            f"g's forward must return the sum over ranks: rank {rank} got {y[0].tolist()}, "
-            f"expected {want[0].tolist()}")
+            f"ReduceFromParallelRegion (g): forward must return the sum over ranks: rank {rank} "
+            f"got {_r(y[0].tolist())}, "
+            f"expected {_r(want[0].tolist())}")
         assert untouched, "g's forward must not modify its input (all-reduce a copy)"
         assert grad is not None and torch.equal(grad, upstream), (
-            f"g's backward must pass the gradient through unchanged: rank {rank} got "
-            f"{None if grad is None else grad[0].tolist()}, expected {upstream[0].tolist()}")
+            f"ReduceFromParallelRegion (g): backward must pass the gradient through unchanged: "
+            f"rank {rank} got "
+            f"{None if grad is None else _r(grad[0].tolist())}, expected {_r(upstream[0].tolist())}")
         assert not bwd, f"g's backward must not communicate; it called {bwd}"
         assert [n for n, _ in fwd] == ["all_reduce"], f"g's forward should call one all_reduce, it called {fwd}"
 
@@ -175,8 +184,8 @@ def _check_linear(kind, options, x_shape, shard_dim, allowed):
         _, checks, calls = result
         for what, (err, got, want) in checks.items():
             assert err <= ATOL, (
-                f"{kind}-parallel layer {options}: rank {rank}'s {what} starts {got}, "
-                f"the dense layer gives {want}")
+                f"{kind.capitalize()}ParallelLinear {options}: rank {rank}'s {what} differs from "
+                f"the dense layer's by {err:.3g}; it starts {_r(got)}, the dense layer's {_r(want)}")
         names = [n for n, _ in calls]
         assert names == allowed, (
             f"{kind}-parallel forward {options} should call {allowed or 'no collective'}, "
@@ -234,16 +243,22 @@ def test_vocab_parallel_cross_entropy_value(scale):
             f"the loss must be found without gathering the logits: only all-reduces of one "
             f"number per token ({tokens}) are needed, but forward called {too_big}")
         assert abs(loss - want) <= 1e-6 * max(1.0, abs(want)), (
-            f"logits of size ~{scale:g}: rank {rank}'s loss is {loss}, F.cross_entropy on the "
-            f"whole logits gives {want}")
+            f"VocabParallelCrossEntropy.forward, logits of size ~{scale:g}: rank {rank}'s loss "
+            f"is {loss:.7g}, F.cross_entropy on the whole logits gives {want:.7g} (the max, the "
+            f"sum of exps and the target's logit are each over all ranks' shards)")
 
 
 @pytest.mark.exercise("VocabParallelCrossEntropy.backward", points=3)
 @pytest.mark.parametrize("scale", [1.0, 1e4], ids=["logits~1", "logits~1e4"])
 def test_vocab_parallel_cross_entropy_gradient(scale):
     for rank, (*_, grad, want, _, bwd, _) in enumerate(launch(_ce_case, 3, scale, timeout=60)):
+        err = (grad - want).abs() if grad is not None and grad.shape == want.shape else None
+        at = tuple(int(i) for i in (err == err.max()).nonzero()[0]) if err is not None else None
         assert grad is not None and torch.allclose(grad, want, atol=1e-7), (
-            f"logits of size ~{scale:g}: rank {rank}'s gradient starts "
-            f"{None if grad is None else grad[0, 0, :4].tolist()}, F.cross_entropy's is "
-            f"{want[0, 0, :4].tolist()}")
+            f"VocabParallelCrossEntropy.backward, logits of size ~{scale:g}: rank {rank}'s "
+            + ("gradient is None" if grad is None else
+               f"gradient has shape {tuple(grad.shape)}, expected {tuple(want.shape)}" if at is None
+               else f"gradient differs from F.cross_entropy's by up to {err.max().item():.3g}; at "
+               f"{at} yours is {grad[at].item():.4g}, F.cross_entropy's {want[at].item():.4g} "
+               f"(the loss is a mean over {want.shape[0] * want.shape[1]} tokens)"))
         assert not bwd, f"backward needs no communication (softmax - onehot), it called {bwd}"
