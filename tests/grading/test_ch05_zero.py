@@ -163,7 +163,7 @@ def _check_stage3(own_pre_forward=True):
     ref = _reference()
     for rank, (got, freed) in enumerate(launch(_stage3, 2, own_pre_forward, timeout=60)):
         assert freed == [True, True, True], (
-            f"rank {rank}: when the last layer runs, the blocks' parameters should be freed "
+            f"ZeRO-3 rank {rank}: when the last layer runs, the blocks' parameters should be freed "
             f"(storage of 0 bytes); freed per block: {freed}"
         )
         for name, want in ref.items():
@@ -273,8 +273,10 @@ def test_fsdp_reduce_scatter_and_all_reduce_of_replicated_params():
     _, _, sent, psi = launch(_fsdp, 2, "_launch_reduce_scatter", True, timeout=60)[0]
     # one step: a reduce-scatter of Ψ fp32 elements, sent (N-1)/N of; all-reduce of the bias
     assert sent["reduce_scatter"] == psi * 4 // 2, (
-        f"one step should count {psi * 4 // 2} bytes of reduce-scatter (count_sent), "
-        f"counted {sent['reduce_scatter']}"
+        f"FSDP on 2 ranks: one step should count {psi * 4 // 2} bytes of reduce-scatter "
+        f"(count_sent), counted {sent['reduce_scatter']}"
+        + (" — elements, not bytes? (numel x element_size)"
+           if sent["reduce_scatter"] * 4 == psi * 4 // 2 else "")
     )
     assert sent["all_reduce"] == 2 * 3 * 4 // 2, (
         f"the replicated 3-element bias should be all-reduced (count_sent 'all_reduce': 12 "
