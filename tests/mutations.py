@@ -544,6 +544,13 @@ MUTATIONS = [
         "                dist.all_reduce(p.grad, group=self.group)\n",
         ["tests/grading/test_ch08_bughunt.py", "tests/test_moe.py::test_expert_parallel_equals_the_local_layer[2-1]"],
     ),
+    Mutation(
+        "learner message: choose_segments' budget message no longer says what was returned",
+        "tests/grading/test_ch03_checkpointing.py",
+        'f"choose_segments(64, 10, 10, budget_bytes={budget}) returned {got}; the fewest "',
+        'f"with budget_bytes={budget} the fewest "',
+        ["tests/test_wrong_answer_messages.py::test_the_grader_says_what_went_wrong[ch3-choose_segments]"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one
