@@ -28,25 +28,9 @@ import torch
 import torch.distributed as dist
 
 from minitrain.zero import CheckpointError, latest_checkpoint
+from minitrain.zero.checkpoint import agree_on_errors, atomic_write
 
 __all__ = ["CheckpointError", "latest_checkpoint", "load_run", "save_run"]
-
-
-def _agree(error, what: str) -> None:
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)
-    found = list(dict.fromkeys(e for e in errors if e))
-    if found:
-        raise CheckpointError(f"{what}: " + "; ".join(found))
-
-
-def _write(path: str, write) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as fh:
-        write(fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)  # readers see the old file or the new one, never half of one
 
 
 def save_run(directory: str, step: int, state: dict, identity: dict) -> str:
@@ -64,19 +48,19 @@ def save_run(directory: str, step: int, state: dict, identity: dict) -> str:
             os.makedirs(partial)
         except OSError as exc:
             error = f"cannot create {partial}: {exc}"
-    _agree(error, "saving a checkpoint")
+    agree_on_errors(error, what="saving a checkpoint")
     ident = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(ident, src=0)
     meta = {"id": ident[0], "step": step, "world_size": world, **identity}
     try:
-        _write(os.path.join(partial, f"rank_{rank:05d}.pt"),
+        atomic_write(os.path.join(partial, f"rank_{rank:05d}.pt"),
                lambda fh: torch.save({"meta": {**meta, "rank": rank}, "state": state}, fh))
     except Exception as exc:  # e.g. disk full: every rank must hear of it
         error = f"rank {rank} could not write its file in {partial}: {exc}"
-    _agree(error, "saving a checkpoint")
+    agree_on_errors(error, what="saving a checkpoint")
     if rank == 0:
         text = json.dumps(meta, indent=1)
-        _write(os.path.join(partial, "meta.json"), lambda fh: fh.write(text.encode()))
+        atomic_write(os.path.join(partial, "meta.json"), lambda fh: fh.write(text.encode()))
         os.replace(partial, final)  # the checkpoint appears whole, or not at all
     dist.barrier()
     return final
@@ -115,5 +99,5 @@ def load_run(path: str, identity: dict) -> tuple[int, dict]:
         error = f"rank {rank}: {exc}"
     except (OSError, ValueError, KeyError) as exc:
         error = f"rank {rank}: checkpoint metadata {meta_path} is missing or invalid: {exc}"
-    _agree(error, f"cannot resume from {path}")
+    agree_on_errors(error, what=f"cannot resume from {path}")
     return meta["step"], payload["state"]

@@ -37,16 +37,18 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, unreadable or does not match; the message names the file."""
 
 
-def _agree(error: str | None, group) -> None:
-    """Every rank learns every rank's error: all raise together or none does (no hang)."""
+def agree_on_errors(error: str | None, group=None, what: str = "") -> None:
+    """Every rank learns every rank's error: all raise together or none does (no hang).
+    ``what`` (e.g. "saving a checkpoint") prefixes the message."""
     errors = [None] * dist.get_world_size(group)
     dist.all_gather_object(errors, error, group=group)
     found = list(dict.fromkeys(e for e in errors if e))
     if found:
-        raise CheckpointError("; ".join(found))
+        raise CheckpointError((f"{what}: " if what else "") + "; ".join(found))
 
 
-def _atomic_write(path: str, write) -> None:
+def atomic_write(path: str, write) -> None:
+    """``write(file)`` into ``path.tmp``, flushed to disk, then renamed onto ``path``."""
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as fh:
         write(fh)
@@ -145,7 +147,7 @@ def save_checkpoint(
         else:
             shutil.rmtree(partial, ignore_errors=True)  # left by an earlier crash
             os.makedirs(partial)
-    _agree(error, group)
+    agree_on_errors(error, group)
     ident = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(
         ident, src=dist.get_global_rank(group, 0) if group else 0, group=group
@@ -166,20 +168,20 @@ def save_checkpoint(
         "extra": extra or {},
     }
     try:
-        _atomic_write(
+        atomic_write(
             os.path.join(partial, f"shard_{rank:05d}.pt"), lambda fh: torch.save(payload, fh)
         )
     except Exception as exc:  # e.g. disk full: every rank must hear about it
         error = f"rank {rank} could not write its shard in {partial}: {exc}"
-    _agree(error, group)
+    agree_on_errors(error, group)
     if rank == 0:
         try:
             text = json.dumps({**meta, "files": [f"shard_{r:05d}.pt" for r in range(world)]})
-            _atomic_write(os.path.join(partial, "meta.json"), lambda fh: fh.write(text.encode()))
+            atomic_write(os.path.join(partial, "meta.json"), lambda fh: fh.write(text.encode()))
             os.replace(partial, final)  # the checkpoint appears whole, or not at all
         except Exception as exc:
             error = f"rank 0 could not complete checkpoint {final}: {exc}"
-    _agree(error, group)
+    agree_on_errors(error, group)
     return final
 
 
@@ -241,7 +243,7 @@ def load_checkpoint(zdp, path: str, optimizer=None) -> dict:
         error = f"rank {rank}: {exc}"
     except (OSError, ValueError, KeyError) as exc:
         error = f"rank {rank}: checkpoint metadata {meta_path} is missing or invalid: {exc}"
-    _agree(error, group)
+    agree_on_errors(error, group)
     with torch.no_grad():
         if same:
             for u, saved in zip(zdp.live_units(), payloads[rank]["shards"]):
