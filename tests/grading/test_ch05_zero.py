@@ -37,6 +37,17 @@ class _Toy(nn.Module):
         return self.out(x)
 
 
+class _SkipsBlock1(_Toy):
+    """A branch not taken: block 1 is skipped, after FSDP's forward prefetch gathered it."""
+
+    def forward(self, x):
+        x = self.inp(x)
+        for i, b in enumerate(self.blocks):
+            if i != 1:
+                x = b(x)
+        return self.out(x)
+
+
 def _batch(step, rank=0, world=1):
     g = torch.Generator().manual_seed(100 + step)
     x, y = torch.randn(BATCH, 5, generator=g), torch.randn(BATCH, 3, generator=g)
@@ -44,9 +55,9 @@ def _batch(step, rank=0, world=1):
     return x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]
 
 
-def _reference():
+def _reference(model_class=None):
     torch.manual_seed(0)
-    model = _Toy()
+    model = (model_class or _Toy)()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     for s in range(STEPS):
         x, y = _batch(s)
@@ -145,23 +156,35 @@ def _stage3(own_pre_forward=True):
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     z = ZeroDataParallel(_Toy(), torch.optim.AdamW, 3, lr=LR)
-    freed = []
+    freed, next_launched = [], []
     z.module.out.register_forward_hook(
         lambda m, a, o: freed.append(
             [b.fc.weight.untyped_storage().nbytes() == 0 for b in z.module.blocks]
         )
     )
+    # registered after the wrapper's own hook: runs once _pre_forward is done, as block i computes
+    for i, block in enumerate(z.module.blocks[:-1]):
+        block.register_forward_pre_hook(
+            lambda m, a, i=i: next_launched.append(z.units[i + 1].state != "free")
+        )
     for s in range(STEPS):
         x, y = _batch(s, rank, world)
         z.zero_grad()
         ((z(x) - y) ** 2).mean().backward()
         z.step()
-    return z.full_state_dict(), freed[0]
+    return z.full_state_dict(), freed[0], next_launched[: len(z.module.blocks) - 1]
 
 
 def _check_stage3(own_pre_forward=True):
     ref = _reference()
-    for rank, (got, freed) in enumerate(launch(_stage3, 2, own_pre_forward, timeout=60)):
+    for rank, (got, freed, prefetched) in enumerate(
+        launch(_stage3, 2, own_pre_forward, timeout=60)
+    ):
+        assert prefetched == [True, True], (
+            f"ZeRO-3 rank {rank}: when block i's forward computes, block i + 1's all-gather "
+            f"should already be launched, so it travels meanwhile; launched per block 0, 1: "
+            f"{prefetched} (_pre_forward: self._start_gather(self.units[index + 1]))"
+        )
         assert freed == [True, True, True], (
             f"ZeRO-3 rank {rank}: when the last layer runs, the blocks' parameters should be freed "
             f"(storage of 0 bytes); freed per block: {freed}"
@@ -209,7 +232,7 @@ def _given_fsdp_reduce(self, u):
     self._pending.append((u, out, (work, None), 0.0))
 
 
-def _fsdp(own, replicated):
+def _fsdp(own, replicated, model_class=None):
     from minitrain import zero
     from minitrain.fsdp import FullyShardedDataParallel as F
 
@@ -223,7 +246,7 @@ def _fsdp(own, replicated):
             setattr(F, name, fn)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = _Toy()
+    model = (model_class or _Toy)()
     fsdp = F(model, replicated_params=[model.out.bias] if replicated else None)
     opt = torch.optim.AdamW(fsdp.parameters(), lr=LR)
     freed = []
@@ -242,12 +265,14 @@ def _fsdp(own, replicated):
     return fsdp.full_state_dict(), freed[0], zero.bytes_sent(), fsdp.padded_numel()
 
 
-def _check_fsdp(own, replicated=False, hint=""):
-    ref = _reference()
-    for rank, (got, freed, _, _) in enumerate(launch(_fsdp, 2, own, replicated, timeout=60)):
+def _check_fsdp(own, replicated=False, hint="", model_class=None):
+    ref = _reference(model_class)
+    runs = launch(_fsdp, 2, own, replicated, model_class, timeout=60)
+    for rank, (got, freed, _, _) in enumerate(runs):
+        skipped = " (block 1 was skipped after its prefetch)" if model_class else ""
         assert freed == [True, True, True], (
             f"FSDP rank {rank}: when the last layer runs, every block's parameters should be "
-            f"freed (storage of 0 bytes); freed per block: {freed}"
+            f"freed (storage of 0 bytes){skipped}; freed per block: {freed}"
         )
         for name, want in ref.items():
             err = (got[name] - want).abs().max().item()
@@ -260,6 +285,9 @@ def _check_fsdp(own, replicated=False, hint=""):
 @pytest.mark.exercise("FullyShardedDataParallel._pre_forward", points=2)
 def test_fsdp_pre_forward_gathers_in_order():
     _check_fsdp("_pre_forward", hint="is each unit gathered before its forward?")
+    # a branch not taken: only _pre_forward's freeing of earlier units returns block 1's memory
+    _check_fsdp("_pre_forward", hint="is each unit gathered before its forward?",
+                model_class=_SkipsBlock1)
 
 
 @pytest.mark.exercise("FullyShardedDataParallel._post_forward", points=2)

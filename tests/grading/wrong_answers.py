@@ -97,14 +97,14 @@ WRONG_ANSWERS = [
       ("ShardedOptimizer steps on 2 ranks, rank 0's", "did every rank receive")),
     W(5, "_pre_forward", "ZeRO-3: forgets to prefetch the next block",
       "            self._start_gather(self.units[index + 1])", "            pass",
-      ()),  # NOT CAUGHT: correct results, only the overlap is lost (no graded test times it)
+      ("ZeRO-3 rank 0", "launched per block 0, 1: [False, False]")),
     W(5, "_post_forward", "ZeRO-3: keeps the gathered block after its forward",
       "self._free(self.units[index])\n        if torch.is_grad_enabled()",
       "if torch.is_grad_enabled()", ("ZeRO-3 rank 0", "freed per block: [False, False, False]")),
     W(5, "_pre_forward", "FSDP: never frees the earlier units",
       "for earlier in self.units[:index]:\n            self._free(earlier)",
       "for earlier in self.units[:index]:\n            pass",
-      ()),  # NOT CAUGHT: _post_forward frees each unit anyway, so the graded tests still pass
+      ("FSDP rank 0", "block 1 was skipped", "freed per block: [True, False, True]")),
     W(5, "_post_forward", "FSDP: keeps the unit gathered after its forward",
       "self._free(self.units[index])\n        for t in", "for t in",
       ("FSDP rank 0", "freed per block: [True, True, False]")),
