@@ -10,7 +10,7 @@ READY  := $(VENV)/.ready
 PYTEST := $(BIN)/python -m pytest -p no:cacheprovider
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: lab test test-gpu lint unit grade-verify nbval browser browser-all lecture slides notebooks exercises mutants clean
+.PHONY: lab test test-gpu lint unit grade-verify nbval browser lecture slides notebooks exercises mutants clean
 
 $(READY): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -57,26 +57,22 @@ nbval: $(READY)
 	OMP_NUM_THREADS=1 $(NBVAL) notebooks -q
 	OMP_NUM_THREADS=2 $(NBVAL) notebooks -q
 
-# JupyterLab in headless Chromium (tests/browser/). Needs a Chromium (Debian: apt-get install
-# chromium; .ci/run installs it); skipped, saying so, without one.
-#   make browser      (part of make test) the browser check itself: a notebook with broken
-#                     widgets and a raising cell must be reported, and lecture mode's slides
-#                     and live widget; plus the notebooks matching BROWSER_NOTEBOOKS
-#   make browser-all  every notebook: Run All, no error shown, each widget's controls moved
-#                     and its view changed (about 1-2 minutes a notebook on 2 cores)
+# JupyterLab in headless Chromium (tests/browser/), part of make test. Needs a Chromium
+# (Debian: apt-get install chromium; .ci/run installs it); skipped, saying so, without one.
+# Every notebook: Run All, no error shown, each widget's controls moved and its view changed;
+# the check itself (a notebook of broken widgets must be reported) and lecture mode. Two
+# pytest-xdist workers, each its own JupyterLab and Chromium: about 6 minutes on 2 cores.
+#   make browser BROWSER_NOTEBOOKS=05_,06_    only the notebooks whose names start so
 CHROMIUM := $(or $(MINITRAIN_CHROMIUM),$(shell command -v chromium || command -v chromium-browser))
-BROWSER_NOTEBOOKS ?= 00_
-define run-browser
+BROWSER_NOTEBOOKS ?=
+BROWSER_WORKERS ?= 2
+browser: $(READY)
 	@if [ -z "$(CHROMIUM)" ]; then \
 		echo "browser tests SKIPPED: no Chromium found (apt-get install chromium, or set MINITRAIN_CHROMIUM)"; \
 	else \
-		MINITRAIN_CHROMIUM=$(CHROMIUM) MINITRAIN_BROWSER_NOTEBOOKS=$(1) $(PYTEST) tests/browser -q -rs; \
+		MINITRAIN_CHROMIUM=$(CHROMIUM) MINITRAIN_BROWSER_NOTEBOOKS=$(BROWSER_NOTEBOOKS) \
+			$(PYTEST) tests/browser -q -rs -n $(BROWSER_WORKERS); \
 	fi
-endef
-browser: $(READY)
-	$(call run-browser,$(BROWSER_NOTEBOOKS))
-browser-all: $(READY)
-	$(call run-browser,)
 
 # instructors: a notebook as slides with live widgets, e.g. `make lecture NB=04` (Voilà)
 lecture: $(READY)

@@ -44,5 +44,9 @@ def test_widget_updates_headlessly(measured):
     assert "all-gather ×1, reduce-scatter ×1" in status.value
     layer.value = "head"
     assert "head.weight: rank 0 holds rows 0–31 of 64" in status.value
+    # only the head's own split is offered: a "row" button would change nothing
+    assert split.options == ("vocab",) and split.value == "vocab"
+    layer.value = "mlp"
+    assert split.options == ("column", "row") and "fc_in.weight" in status.value
     tp.value = 1
     assert "rank 0 holds all of it" in status.value and "forward: none" in status.value

@@ -159,22 +159,36 @@ def _png(view) -> bytes:
 
 def build_tp_widget(measured: dict, shape: dict):
     """Controls (layer, split, TP size, SP) → status line (slices, collectives, bytes) and
-    the picture; ``measured`` and ``shape`` as for ``compute_tp_view``."""
+    the picture; ``measured`` and ``shape`` as for ``compute_tp_view``. The split buttons
+    offer only the chosen layer's splits: a button that could change nothing is not shown."""
     import ipywidgets as w
 
     layer = w.ToggleButtons(options=list(SPLITS), value="attention", description="layer")
-    split = w.ToggleButtons(options=["column", "row", "vocab"], value="column", description="split")
+    split = w.ToggleButtons(options=list(SPLITS["attention"]), description="split")
     sizes = sorted({t for t, _ in measured})
     tp = w.ToggleButtons(options=sizes, value=sizes[min(1, len(sizes) - 1)], description="TP size t")
     sp = w.Checkbox(value=False, description="sequence parallelism")
     status, image = w.HTML(), w.Image(format="png")
+    changing_layer = False
 
     def update(_=None):
+        if changing_layer:  # new split options set split.value too: draw once, afterwards
+            return
         view = compute_tp_view(layer.value, split.value, tp.value, sp.value, measured, shape)
         status.value = describe(view)
         image.value = _png(view)
 
-    for control in (layer, split, tp, sp):
+    def choose_layer(_):
+        nonlocal changing_layer
+        changing_layer = True
+        try:
+            split.options = list(SPLITS[layer.value])  # selects the layer's first split
+        finally:
+            changing_layer = False
+        update()
+
+    layer.observe(choose_layer, names="value")
+    for control in (split, tp, sp):
         control.observe(update, names="value")
     update()
     return w.VBox([layer, split, w.HBox([tp, sp]), status, image])

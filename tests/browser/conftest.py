@@ -2,7 +2,9 @@
 
 ``make browser`` (part of ``make test``) runs them when a Chromium is present; ``.ci/run``
 installs Debian's ``chromium`` first when it can, so CI always runs them. One JupyterLab
-server and one headless Chromium serve the whole session.
+server and one headless Chromium serve each pytest process (``make browser`` runs two,
+with pytest-xdist: while one notebook's kernel waits or computes on one core, another
+notebook runs).
 """
 
 from __future__ import annotations
@@ -11,8 +13,6 @@ import time
 
 import pytest
 from jupyter_browser import SCREENSHOTS, JupyterLab, course_copy, find_chromium, launch_browser
-
-_timings: list[tuple[str, float, list[str]]] = []
 
 
 def pytest_collection_modifyitems(config, items):
@@ -60,18 +60,24 @@ def shots():
     return SCREENSHOTS
 
 
-def record(name: str, seconds: float, screenshots: list[str]) -> None:
-    _timings.append((name, seconds, screenshots))
-
-
 def pytest_sessionstart(session):
     session.config._browser_t0 = time.perf_counter()
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    if not _timings:
+    """The pass's time, and per notebook: its time, Run All's, each control moved, the
+    screenshots (from the tests' ``record_property("browser", ...)``)."""
+    rows = sorted(
+        (value for outcome in ("passed", "failed") for rep in terminalreporter.stats.get(outcome, [])
+         if rep.when == "call" for name, value in rep.user_properties if name == "browser"),
+        key=lambda row: row["notebook"],
+    )  # fmt: skip
+    if not rows:
         return
     write = terminalreporter.write_line
     write(f"browser pass: {time.perf_counter() - config._browser_t0:.0f} s in all")
-    for name, seconds, screenshots in _timings:
-        write(f"  {name}: {seconds:.0f} s; screenshots: {', '.join(screenshots) or 'none'}")
+    for row in rows:
+        write(f"  {row['notebook']}: {row['seconds']:.0f} s (Run All {row['run_all']:.0f} s); "
+              f"screenshots: {', '.join(row['screenshots']) or 'none'}")
+        for control in row["controls"]:
+            write(f"      {control}")

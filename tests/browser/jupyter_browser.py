@@ -191,10 +191,16 @@ _DESCRIBE = """e => {
   const kinds = ['dropdown', 'hslider', 'toggle-buttons', 'checkbox', 'text', 'toggle-button',
                  'button', 'radio-box'];
   const kind = kinds.find(k => box.classList.contains('widget-' + k)) || e.tagName.toLowerCase();
-  const label = ((box.querySelector('.widget-label') || {}).textContent || '').trim();
+  const text = s => (s || '').replace(/\u200b/g, '').trim();  // ipywidgets pads labels with U+200B
+  const label = text((box.querySelector('.widget-label') || {}).textContent)
+    || (kind === 'checkbox' ? text(box.textContent) : '');
   const button = e.tagName === 'BUTTON' ? ' → ' + e.textContent.trim() : '';
   return kind + (label ? ' "' + label + '"' : '') + button;
 }"""
+
+
+# a disabled ipywidgets control: the element itself, or (a slider's handle) the slider around it
+_DISABLED = "e => !!e.disabled || !!e.closest('[disabled]')"
 
 
 # what a widget shows, without its controls (a slider's own read-out changes when it moves)
@@ -275,16 +281,17 @@ class NotebookPage:
             report.problems.append(f"widget {number} has no control to move")
         for k in range(controls.count()):
             control = controls.nth(k)
-            if not control.is_visible() or not control.is_enabled():
-                continue  # e.g. the selected one of a set of toggle buttons
+            if not control.is_visible() or control.evaluate(_DISABLED):
+                continue  # a control the widget disabled: a person cannot move it either
             kind = control.evaluate(_DESCRIBE)
             if "mod-active" in (control.get_attribute("class") or ""):
                 continue  # already pressed: pressing it again changes nothing
-            before = out.evaluate(_SHOWN)
+            before, t0 = out.evaluate(_SHOWN), time.monotonic()
             self._move(control)
             changed = self._wait_changed(out, before, settle)
             report.controls.append(
-                f"widget {number}: {kind} {'changed' if changed else 'NO CHANGE'}"
+                f"widget {number}: {kind} {'changed' if changed else 'NO CHANGE'} "
+                f"({time.monotonic() - t0:.1f} s)"
             )
             if not changed:
                 unchanged.append(

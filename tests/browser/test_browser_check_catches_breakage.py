@@ -31,7 +31,8 @@ def test_broken_widgets_and_errors_are_reported_and_a_working_widget_is_not(cour
         page.close()
     problems = "\n".join(report.problems)
     assert report.widgets == 4, report
-    assert 'widget 1: hslider "ranks" changed' in report.controls, report  # the working one
+    working = [c for c in report.controls if c.startswith('widget 1: hslider "ranks" changed')]
+    assert working, report  # the working one
     assert not any(p.startswith("widget 1:") for p in report.problems), problems
     assert 'widget 2: moving its hslider "frozen" (control 1) changed nothing' in problems
     assert 'widget 3: moving its hslider "raises" (control 1) changed nothing' in problems

@@ -11,11 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import record
 from jupyter_browser import ROOT, WIDGET_MIME, NotebookPage
 
-# MINITRAIN_BROWSER_NOTEBOOKS: comma-separated name prefixes (`make browser` takes a sample so
-# `make test` stays within its time; `make browser-all` leaves it empty: every notebook)
+# MINITRAIN_BROWSER_NOTEBOOKS: comma-separated name prefixes (`make browser BROWSER_NOTEBOOKS=05_`
+# runs one notebook); empty, as in make test: every notebook
 _CHOSEN = [p for p in os.environ.get("MINITRAIN_BROWSER_NOTEBOOKS", "").split(",") if p]
 NOTEBOOKS = [
     p for p in sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -32,16 +31,21 @@ def committed_widgets(path: Path) -> int:
 
 @pytest.mark.timeout(RUN_TIMEOUT + 300)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_and_every_widget_responds(path, lab, browser, shots):
+def test_notebook_runs_and_every_widget_responds(path, lab, browser, shots, record_property):
     t0 = time.perf_counter()
     page = NotebookPage(browser, lab, f"notebooks/{path.name}")
     try:
         page.open()
         page.run_all(RUN_TIMEOUT)
+        ran = time.perf_counter() - t0
         report = page.check(settle=SETTLE, shots=shots)
     finally:
         page.close()
-    record(path.stem, time.perf_counter() - t0, report.screenshots)
+    # for the summary conftest.py prints (a property reaches it from a pytest-xdist worker too)
+    record_property("browser", dict(
+        notebook=path.stem, seconds=time.perf_counter() - t0, run_all=ran,
+        controls=report.controls, screenshots=report.screenshots,
+    ))  # fmt: skip
     assert not report.errors, f"{path.name}: " + "; ".join(report.errors)
     assert report.widgets >= max(1, committed_widgets(path)), (
         f"{path.name}: the committed notebook displays {committed_widgets(path)} widget(s), "
