@@ -9,11 +9,11 @@ launch, taking turns step by step); the slider then only re-plots those measurem
 
 from __future__ import annotations
 
-import io
 import math
 
 from minitrain import trace
 from minitrain.ddp import assign_buckets, hidden_share_per_step, summarize_shares
+from minitrain.widgets import figure_png, offscreen_pyplot
 
 
 def _label(cap_mb: float) -> str:
@@ -82,11 +82,7 @@ def compute_bucket_view(sweep: dict, cap_mb: float) -> dict:
 
 
 def _render(view: dict) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
+    plt = offscreen_pyplot()
     fig, ax = plt.subplots(figsize=(9, 2.2))
     trace.plot_timeline(
         view["traces"],
@@ -96,11 +92,7 @@ def _render(view: dict) -> bytes:
         f"median {100 * view['hidden_share']:.0f}% of communication hidden "
         f"({view['steps']} steps)",
     )
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)
-    plt.close(fig)
-    return buf.getvalue()
+    return figure_png(fig)
 
 
 def build_bucket_widget(sweep: dict):

@@ -16,11 +16,10 @@ gradients and optimizer in fp32), next to plain data parallelism's.
 
 from __future__ import annotations
 
-import io
-
 import torch
 
 from minitrain.fsdp.measure import fsdp_formula
+from minitrain.widgets import figure_png, offscreen_pyplot
 from minitrain.zero import communication_formula, memory_formula
 
 STAGES = ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
@@ -170,18 +169,10 @@ def plot_stage3_timeline(traces, ax=None):
 
 
 def _png(draw) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
+    plt = offscreen_pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.2))
     draw(ax)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)
-    plt.close(fig)
-    return buf.getvalue()
+    return figure_png(fig)
 
 
 def build_zero_memory_widget(measured: list | None = None, traces=None):

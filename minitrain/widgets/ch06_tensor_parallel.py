@@ -11,14 +11,13 @@ for the splits; Korthikanti et al. 2022 (sections 4 and 4.2.2) for memory and SP
 
 from __future__ import annotations
 
-import io
-
 from minitrain.tensor_parallel.measure import (
     layer_activation_bytes,
     layer_collectives,
     summarize_log,
     total_bytes,
 )
+from minitrain.widgets import figure_png, offscreen_pyplot
 
 # layer -> split -> the modules (names in the GPT) split that way
 SPLITS = {
@@ -143,18 +142,10 @@ def plot_view(view: dict, axes=None):
 
 
 def _png(view) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
+    plt = offscreen_pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
     plot_view(view, axes)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)
-    plt.close(fig)
-    return buf.getvalue()
+    return figure_png(fig)
 
 
 def build_tp_widget(measured: dict, shape: dict):

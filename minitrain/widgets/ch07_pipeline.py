@@ -12,7 +12,7 @@ GPipe (Huang et al. 2019), 1F1B and interleaved (Narayanan et al. 2021), ZB-H1 (
 
 from __future__ import annotations
 
-import io
+from minitrain.widgets import figure_png, offscreen_pyplot
 
 CELL_COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 
@@ -95,18 +95,10 @@ def plot_view(view: dict, axes=None):
 
 
 def _png(view) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
+    plt = offscreen_pyplot()
     fig, axes = plt.subplots(2, 1, figsize=(10, 1.2 + 1.1 * view["p"]))
     plot_view(view, axes)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=70)
-    plt.close(fig)
-    return buf.getvalue()
+    return figure_png(fig, dpi=70)
 
 
 def build_pipeline_widget(unit: float = 0.01, cache: dict | None = None):

@@ -13,10 +13,9 @@ DeepSeek-AI 2024 (the bias).
 
 from __future__ import annotations
 
-import io
-
 from minitrain.data import get_batch
 from minitrain.moe.measure import SMALL_GPT, routing_table, train_load_history
+from minitrain.widgets import figure_png, offscreen_pyplot
 
 METHODS = ("aux_loss", "bias", "none")
 _trained: dict = {}
@@ -80,18 +79,10 @@ def plot_view(view: dict, axes) -> None:
 
 
 def _png(view) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
+    plt = offscreen_pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.0))
     plot_view(view, axes)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)
-    plt.close(fig)
-    return buf.getvalue()
+    return figure_png(fig)
 
 
 def build_moe_widget(world: int = 2, steps: int = 40):

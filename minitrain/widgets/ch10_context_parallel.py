@@ -12,10 +12,9 @@ Liu et al. 2023 for the ring; the zigzag layout balances causal work.
 
 from __future__ import annotations
 
-import io
-
 from minitrain.context_parallel.layout import num_chunks
 from minitrain.context_parallel.measure import forward_flops, schedule, work_per_step
+from minitrain.widgets import figure_png, offscreen_pyplot
 
 RANK_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B2", "#937860"]
 
@@ -89,17 +88,8 @@ def _rgb(color: str):
 
 
 def _png(view) -> bytes:
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    fig = plot_view(view)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=70)
-    plt.close(fig)
-    return buf.getvalue()
+    offscreen_pyplot()  # plot_view makes its own figure
+    return figure_png(plot_view(view), dpi=70)
 
 
 def build_cp_widget(seq_lens=(64, 128, 256), sizes=(2, 3, 4)):
