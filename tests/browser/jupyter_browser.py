@@ -304,11 +304,9 @@ class NotebookPage:
                     f"widget {number}: shows an error after moving its {kind}: "
                     f"{errors.first.inner_text()[:300]!r}"
                 )
-        # a control may legitimately change nothing in some settings (a split that does not
-        # apply to the chosen layer): the widget fails when no control changes its view
-        moved = sum(1 for c in report.controls if c.startswith(f"widget {number}:"))
-        if unchanged and len(unchanged) == moved:
-            report.problems.extend(unchanged)
+        # every control a person can move must change what the widget shows: one that cannot
+        # apply in the current setting is disabled or not offered (see docs/design.md)
+        report.problems.extend(unchanged)
         if shots is not None:
             report.screenshots.append(self._shot(out, shots / f"{self.name}-w{number}-after.jpg"))
 
@@ -406,6 +404,22 @@ def replot(change):
     raise RuntimeError("the re-plot failed")
 bad.observe(replot, "value")
 w.VBox([bad, bad_status])"""
+
+# one control works, the other was never connected: the dead one must be reported
+PARTLY_DEAD_WIDGET = """import ipywidgets as w
+alive = w.IntSlider(value=3, min=1, max=8, description="alive")
+dead = w.IntSlider(value=3, min=1, max=8, description="dead")  # forgot dead.observe(...)
+shown = w.HTML()
+alive.observe(lambda change: setattr(shown, "value", f"<b>{alive.value}</b>"), "value")
+w.VBox([alive, dead, shown])"""
+
+# a control the widget disabled (it does not apply): a person cannot move it, nor does the check
+DISABLED_CONTROL_WIDGET = """import ipywidgets as w
+size = w.IntSlider(value=3, min=1, max=8, description="size")
+unused = w.IntSlider(value=3, min=1, max=8, description="unused", disabled=True)
+shown_size = w.HTML()
+size.observe(lambda change: setattr(shown_size, "value", f"<b>{size.value}</b>"), "value")
+w.VBox([size, unused, shown_size])"""
 
 UNRENDERED_WIDGET = """from IPython.display import display
 # a view of a widget model the page does not have: what a front-end/kernel mismatch looks like

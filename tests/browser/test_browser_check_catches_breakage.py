@@ -1,14 +1,17 @@
-"""The browser check can fail, and for the right reason: a notebook with a working widget and
-four broken ones (one that never updates, one whose callback raises, one the page cannot
-render, a cell that raises) — each reported, the working one not."""
+"""The browser check can fail, and for the right reason: a notebook with working widgets and
+broken ones (one that never updates, one whose callback raises, one the page cannot render, one
+with a control never connected, a cell that raises) — each reported, the working ones not (nor
+a control the widget disabled)."""
 
 from __future__ import annotations
 
 import pytest
 from jupyter_browser import (
+    DISABLED_CONTROL_WIDGET,
     ERROR_CELL,
     FROZEN_WIDGET,
     GOOD_WIDGET,
+    PARTLY_DEAD_WIDGET,
     RAISING_WIDGET,
     UNRENDERED_WIDGET,
     NotebookPage,
@@ -20,7 +23,8 @@ from jupyter_browser import (
 def test_broken_widgets_and_errors_are_reported_and_a_working_widget_is_not(course, lab, browser):
     tiny_notebook(
         course / "selftest" / "broken_widgets.ipynb",
-        GOOD_WIDGET, FROZEN_WIDGET, RAISING_WIDGET, UNRENDERED_WIDGET, ERROR_CELL,
+        GOOD_WIDGET, FROZEN_WIDGET, RAISING_WIDGET, UNRENDERED_WIDGET, PARTLY_DEAD_WIDGET,
+        DISABLED_CONTROL_WIDGET, ERROR_CELL,
     )  # fmt: skip
     page = NotebookPage(browser, lab, "selftest/broken_widgets.ipynb")
     try:
@@ -30,11 +34,15 @@ def test_broken_widgets_and_errors_are_reported_and_a_working_widget_is_not(cour
     finally:
         page.close()
     problems = "\n".join(report.problems)
-    assert report.widgets == 4, report
+    assert report.widgets == 6, report
     working = [c for c in report.controls if c.startswith('widget 1: hslider "ranks" changed')]
     assert working, report  # the working one
     assert not any(p.startswith("widget 1:") for p in report.problems), problems
     assert 'widget 2: moving its hslider "frozen" (control 1) changed nothing' in problems
     assert 'widget 3: moving its hslider "raises" (control 1) changed nothing' in problems
     assert "widget 4 is not rendered" in problems
+    assert 'widget 5: moving its hslider "dead" (control 2) changed nothing' in problems
+    assert not any('"alive"' in p for p in report.problems), problems
+    assert not any(p.startswith("widget 6:") for p in report.problems), problems
+    assert not any('"unused"' in c for c in report.controls), report.controls  # not moved
     assert len(report.errors) == 1 and "ZeroDivisionError" in report.errors[0], report.errors
