@@ -61,17 +61,21 @@ nbval: $(READY)
 # (Debian: apt-get install chromium; .ci/run installs it); skipped, saying so, without one.
 # Every notebook: Run All, no error shown, each widget's controls moved and its view changed;
 # the check itself (a notebook of broken widgets must be reported) and lecture mode. Two
-# pytest-xdist workers, each its own JupyterLab and Chromium: about 6 minutes on 2 cores.
+# pytest-xdist workers, each its own JupyterLab and Chromium: about 6 minutes on 2 cores,
+# bounded by BROWSER_TIME_LIMIT (10 minutes; the pass fails, saying so, when it runs out).
 #   make browser BROWSER_NOTEBOOKS=05_,06_    only the notebooks whose names start so
 CHROMIUM := $(or $(MINITRAIN_CHROMIUM),$(shell command -v chromium || command -v chromium-browser))
 BROWSER_NOTEBOOKS ?=
 BROWSER_WORKERS ?= 2
+BROWSER_TIME_LIMIT ?= 600
 browser: $(READY)
 	@if [ -z "$(CHROMIUM)" ]; then \
 		echo "browser tests SKIPPED: no Chromium found (apt-get install chromium, or set MINITRAIN_CHROMIUM)"; \
 	else \
 		MINITRAIN_CHROMIUM=$(CHROMIUM) MINITRAIN_BROWSER_NOTEBOOKS=$(BROWSER_NOTEBOOKS) \
-			$(PYTEST) tests/browser -q -rs -n $(BROWSER_WORKERS); \
+			timeout -k 15 $(BROWSER_TIME_LIMIT) $(PYTEST) tests/browser -q -rs -n $(BROWSER_WORKERS) \
+		|| { rc=$$?; [ $$rc -ne 124 ] || echo "browser tests FAILED: the pass took longer than" \
+			"its bound of $(BROWSER_TIME_LIMIT) s (make browser BROWSER_TIME_LIMIT=... to change it)"; exit $$rc; }; \
 	fi
 
 # instructors: a notebook as slides with live widgets, e.g. `make lecture NB=04` (Voilà)
