@@ -48,6 +48,7 @@ class Mutation(NamedTuple):
 
 
 DDP, FP8 = "minitrain/ddp/data_parallel.py", "minitrain/precision/fp8.py"
+DDP_BUCKETS = "minitrain/ddp/buckets.py"  # a bucket's flat buffer, all-reduce and write-back
 ZERO, COMPOSE = "minitrain/zero/data_parallel.py", "tests/test_composition.py"
 # issue 14: stage 3's gather/free hooks and ordered reductions moved here, shared with FSDP
 SHARED, FSDP = "minitrain/zero/sharded_units.py", "minitrain/fsdp/wrapper.py"
@@ -140,8 +141,8 @@ MUTATIONS = [
     ),
     Mutation(
         "DDP: unused parameter given a zero gradient",
-        DDP,
-        "if bucket.used[k] == 0:",
+        DDP_BUCKETS,
+        "if self.used[k] == 0:",
         "if False:",
         [f"{COMPOSE}::test_ddp_unused_parameters_match_torch_ddp[2-torch]"],
     ),

@@ -14,9 +14,9 @@ Accelerating Data Parallel Training", §3.2):
    trade per-message latency (α) against overlap.
 
 ``DataParallel(bucket_cap_mb=0, overlap=False)`` etc. give the teaching variants of
-``VARIANTS``. Which gradients share a bucket: bucketing.py; measuring the variants: measure.py. ``communication="torch"`` uses ``dist.all_reduce(async_op=True)``;
-``"ring"`` runs ``minitrain.collectives.ring_all_reduce`` (a learner's, when graded) on
-a helper thread so it still overlaps backward; any ``fn(tensor, group)`` works too.
+``VARIANTS``. This file decides *when* gradients enter buckets and buckets are reduced;
+replicas.py: replicas start equal; bucketing.py: which gradients share a bucket;
+buckets.py: a bucket's flat buffer and its all-reduce; measure.py: measuring the variants.
 """
 
 from __future__ import annotations
@@ -29,8 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minitrain import collectives, trace
-from minitrain.ddp.bucketing import assign_buckets
+from minitrain import trace
+from minitrain.ddp.bucketing import assign_buckets  # noqa: F401 — importable from here too
+from minitrain.ddp.buckets import GradientBucket, make_buckets
+from minitrain.ddp.replicas import broadcast_from_first_rank, check_replicas_match
 
 VARIANTS = {
     "per-parameter, after backward": dict(bucket_cap_mb=0.0, overlap=False),
@@ -38,52 +40,6 @@ VARIANTS = {
     "per-parameter, overlapped": dict(bucket_cap_mb=0.0, overlap=True),
     "bucketed, overlapped": dict(bucket_cap_mb=25.0, overlap=True),
 }
-
-
-def broadcast_from_first_rank(module: nn.Module, group=None) -> None:
-    """Make every rank's copy of ``module`` (parameters and buffers) equal to that of the
-    group's first rank: replicas must start equal (chapter 4's DDP, chapter 5's ZeRO)."""
-    src = 0 if group is None else dist.get_global_rank(group, 0)
-    with torch.no_grad():
-        for t in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(t.data, src, group=group)
-
-
-class _Bucket:
-    """One flat gradient buffer and the parameters whose gradients live in it.
-
-    After the gradients the buffer carries one more number per parameter, its "used" flag:
-    1 if this rank's backward reached the parameter. The all-reduce sums the flags with the
-    gradients, so it costs no extra message, and afterwards every rank reads the same count of
-    ranks that used each parameter (torch DDP's ``find_unused_parameters``; Li et al. 2020,
-    §3.2.3).
-    """
-
-    def __init__(self, index: int, params: list[nn.Parameter]):
-        self.index = index
-        self.params = params
-        self.offsets = [0]
-        for p in params:
-            self.offsets.append(self.offsets[-1] + p.numel())
-        self.buffer = torch.zeros(
-            self.offsets[-1] + len(params), dtype=params[0].dtype, device=params[0].device
-        )
-        # the flags: small integer counts, exact in any float dtype (bf16: up to 256 ranks)
-        self.used = self.buffer[self.offsets[-1] :]
-        self.ready = 0  # parameters whose gradient has been copied in this step
-        self.wait = None  # waits for the running all-reduce, returns when it ended
-        self.launched_at = 0.0
-
-    def view(self, k: int) -> torch.Tensor:
-        """The slice of the buffer that holds parameter k's gradient."""
-        return self.buffer[self.offsets[k] : self.offsets[k + 1]]
-
-
-def _torch_wait(work):
-    """A function that waits for ``work`` and returns when it ended: the future's callback
-    runs the moment the collective completes, so timelines show its real end."""
-    ended = work.get_future().then(lambda _: trace.now())
-    return lambda: (work.wait(), ended.wait())[1]
 
 
 class DataParallel(nn.Module):
@@ -136,13 +92,9 @@ class DataParallel(nn.Module):
         self.overlap = overlap
         self.communication = communication
         self._params = [p for p in module.parameters() if p.requires_grad]  # deduplicated
-        self._check_replicas_match()
+        check_replicas_match(self._params, group)
         broadcast_from_first_rank(module, group)
-        cap = bucket_cap_mb * 1024 * 1024
-        self.buckets = [
-            _Bucket(b, [self._params[i] for i in idx])
-            for b, idx in enumerate(assign_buckets(self._params, cap))
-        ]
+        self.buckets = make_buckets(self._params, bucket_cap_mb)
         # parameter -> (bucket, position in the bucket); Parameters hash by identity
         self._location = {
             p: (bucket, k) for bucket in self.buckets for k, p in enumerate(bucket.params)
@@ -160,18 +112,7 @@ class DataParallel(nn.Module):
         ``register_post_accumulate_grad_hook``, which fires *before* the average)."""
         self._averaged_grad_hooks.append(fn)
 
-    # ------------------------------------------------------------------ set-up helpers
-    def _check_replicas_match(self):
-        """Different models on different ranks would deadlock later: fail now, naming them."""
-        mine = (len(self._params), sum(p.numel() for p in self._params))
-        every = [None] * self.world_size
-        dist.all_gather_object(every, mine, group=self.group)
-        if len(set(every)) > 1:
-            raise ValueError(
-                f"DataParallel: ranks wrap different models — (trainable "
-                f"parameters, elements) per rank: {every}"
-            )
-
+    # ------------------------------------------------------------------ per-step state
     def _reset_step(self):
         self._ready = set()
         self._last_gradient_at = None
@@ -180,8 +121,7 @@ class DataParallel(nn.Module):
         self._callback_queued = False
         self._backward_start = None
         for bucket in self.buckets:
-            bucket.ready, bucket.wait = 0, None
-            bucket.used.zero_()
+            bucket.reset()
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
@@ -268,26 +208,11 @@ class DataParallel(nn.Module):
             self._launch(bucket)
             self._next_bucket += 1
 
-    def _launch(self, bucket: _Bucket):
-        bucket.launched_at = trace.now()
-        if self.communication == "torch":
-            work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
-            bucket.wait = _torch_wait(work)
-            # "asynchronous" need not mean the caller goes on at once (gloo on a busy CPU can
-            # hold it for most of the all-reduce): backward computes nothing meanwhile
-            trace.record("launching all-reduce (backward waits)", "idle", bucket.launched_at, trace.now())
-            return
-        if self._executor is None:  # one helper thread: buckets stay in order
+    def _launch(self, bucket: GradientBucket):
+        if self.communication != "torch" and self._executor is None:
+            # one helper thread: buckets stay in order
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="minitrain-ddp")
-        fn = self.communication
-        if fn == "ring":
-            fn = collectives.ring_all_reduce  # at call time: a learner's version when graded
-
-        def run(buffer=bucket.buffer, group=self.group):
-            fn(buffer, group)
-            return trace.now()
-
-        bucket.wait = self._executor.submit(run).result
+        bucket.start_all_reduce(self.group, self.communication, self._executor)
 
     def finish_gradient_synchronization(self):
         """Wait for every bucket's all-reduce and write the averages into ``param.grad``.
@@ -319,15 +244,6 @@ class DataParallel(nn.Module):
             trace.record(
                 f"all-reduce bucket {bucket.index}", "communication", bucket.launched_at, end
             )
-            for k, p in enumerate(bucket.params):
-                if bucket.used[k] == 0:
-                    continue  # no rank used it: every rank leaves .grad alone, as torch DDP
-                grad = bucket.view(k).view_as(p)
-                if p.grad is None:
-                    p.grad = grad.clone()
-                else:
-                    p.grad.copy_(grad)
-                for hook in self._averaged_grad_hooks:
-                    hook(p)
+            bucket.write_averages(self._averaged_grad_hooks)
         trace.record("wait for gradients", "idle", end_of_compute, trace.now())
         self._reset_step()

@@ -1,0 +1,111 @@
+"""A bucket: several gradients in one flat buffer, summed over the ranks by one all-reduce.
+
+Chapter 4, notebooks/04_collectives_and_data_parallel.ipynb; used by ``DataParallel``
+(data_parallel.py), which decides *when* gradients go into a bucket and when its all-reduce
+starts. Which gradients share a bucket is bucketing.py's rule. One message per bucket pays
+the per-message latency (α) once for all its gradients instead of once per parameter (Li et
+al. 2020, "PyTorch Distributed", §3.2.3).
+
+How a bucket is summed (``communication``): "torch" uses ``dist.all_reduce(async_op=True)``;
+"ring" runs ``minitrain.collectives.ring_all_reduce`` (a learner's, when graded) on a helper
+thread so it still overlaps backward; any ``fn(tensor, group)`` works too.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from minitrain import collectives, trace
+from minitrain.ddp.bucketing import assign_buckets
+
+
+class GradientBucket:
+    """One flat gradient buffer and the parameters whose gradients live in it.
+
+    After the gradients the buffer carries one more number per parameter, its "used" flag:
+    1 if this rank's backward reached the parameter. The all-reduce sums the flags with the
+    gradients, so it costs no extra message, and afterwards every rank reads the same count of
+    ranks that used each parameter (torch DDP's ``find_unused_parameters``; Li et al. 2020,
+    §3.2.3).
+    """
+
+    def __init__(self, index: int, params: list[nn.Parameter]):
+        self.index = index
+        self.params = params
+        self.offsets = [0]
+        for p in params:
+            self.offsets.append(self.offsets[-1] + p.numel())
+        self.buffer = torch.zeros(
+            self.offsets[-1] + len(params), dtype=params[0].dtype, device=params[0].device
+        )
+        # the flags: small integer counts, exact in any float dtype (bf16: up to 256 ranks)
+        self.used = self.buffer[self.offsets[-1] :]
+        self.ready = 0  # parameters whose gradient has been copied in this step
+        self.wait = None  # waits for the running all-reduce, returns when it ended
+        self.launched_at = 0.0
+
+    def reset(self) -> None:
+        """Empty for the next step: no gradient copied in, no all-reduce running, none used."""
+        self.ready, self.wait = 0, None
+        self.used.zero_()
+
+    def view(self, k: int) -> torch.Tensor:
+        """The slice of the buffer that holds parameter k's gradient."""
+        return self.buffer[self.offsets[k] : self.offsets[k + 1]]
+
+    def start_all_reduce(self, group, communication, executor) -> None:
+        """Start summing the buffer over the ranks of ``group``; ``self.wait()`` then waits for
+        the sum and returns when it ended. ``communication``: "torch", "ring" or
+        ``fn(tensor, group)``; ``executor``: the helper thread that runs the last two (one
+        thread for all buckets, so they stay in order; unused with "torch")."""
+        self.launched_at = trace.now()
+        if communication == "torch":
+            work = dist.all_reduce(self.buffer, group=group, async_op=True)
+            self.wait = torch_wait(work)
+            # "asynchronous" need not mean the caller goes on at once (gloo on a busy CPU can
+            # hold it for most of the all-reduce): backward computes nothing meanwhile
+            trace.record("launching all-reduce (backward waits)", "idle", self.launched_at, trace.now())
+            return
+        fn = communication
+        if fn == "ring":
+            fn = collectives.ring_all_reduce  # at call time: a learner's version when graded
+
+        def run(buffer=self.buffer, group=group):
+            fn(buffer, group)
+            return trace.now()
+
+        self.wait = executor.submit(run).result
+
+    def write_averages(self, hooks) -> None:
+        """Once the all-reduce has ended: write each parameter's average into ``param.grad``
+        and call every ``hook(param)`` on it. A parameter whose summed "used" flag is 0 was
+        used by no rank: its ``.grad`` is left as it was (``None`` stays ``None``)."""
+        for k, p in enumerate(self.params):
+            if self.used[k] == 0:
+                continue  # no rank used it: every rank leaves .grad alone, as torch DDP
+            grad = self.view(k).view_as(p)
+            if p.grad is None:
+                p.grad = grad.clone()
+            else:
+                p.grad.copy_(grad)
+            for hook in hooks:
+                hook(p)
+
+
+def make_buckets(params: list[nn.Parameter], bucket_cap_mb: float) -> list[GradientBucket]:
+    """One ``GradientBucket`` per group of ``assign_buckets`` (``bucket_cap_mb`` in MiB),
+    numbered in the order backward fills them."""
+    cap = bucket_cap_mb * 1024 * 1024
+    return [
+        GradientBucket(b, [params[i] for i in idx])
+        for b, idx in enumerate(assign_buckets(params, cap))
+    ]
+
+
+def torch_wait(work):
+    """A function that waits for ``work`` and returns when it ended: the future's callback
+    runs the moment the collective completes, so timelines show its real end."""
+    ended = work.get_future().then(lambda _: trace.now())
+    return lambda: (work.wait(), ended.wait())[1]
