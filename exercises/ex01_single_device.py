@@ -13,10 +13,10 @@ import math
 import time
 import torch
 import torch.nn.functional as F
-import weakref
 from dataclasses import dataclass
 from torch import nn
 from minitrain.memory import BYTES_PER_PARAMETER
+from minitrain.memory_measure import LiveSavedBytes, memory_timeline, saved_activation_bytes
 from minitrain.model import GPTConfig, lm_loss
 
 
@@ -94,4 +94,4 @@ def accumulate_gradients(model, micro_batches, loss_fn=None) -> float:
     # HINT: count the targets first (targets.numel()), then backward each scaled loss
     raise NotImplementedError("exercise: write accumulate_gradients (see its docstring)")
 
-# minitrain-exercises-hash: 9b99564d02462454
+# minitrain-exercises-hash: 206c1c19560fa4b5

@@ -27,193 +27,42 @@ does (measured: gloo's fp16 all-reduce of 1, eps/2, eps/2 is not the fp32 sum).
 
 Every rank counts the bytes it sends (``bytes_sent`` / ``reset_bytes_sent``) so the
 notebook can compare them with the formulas.
+
+Files: this one has the naive and recursive-doubling all-reduces, the byte formulas
+(``predicted_bytes_sent``) and ``all_reduce`` by name; the ring (chapter 4's exercises) is
+``minitrain/collectives_ring.py``, the send/receive building blocks and the byte counter
+``minitrain/collectives_exchange.py``. Every name is importable from here.
 """
 
 from __future__ import annotations
 
-import threading
-
 import torch
 import torch.distributed as dist
 
-from minitrain.point_to_point import ring_neighbours
-
-_bytes_sent = 0
-
-
-def bytes_sent() -> int:
-    """Bytes this process has sent through the collectives of this module since the last reset."""
-    return _bytes_sent
-
-
-def reset_bytes_sent() -> None:
-    global _bytes_sent
-    _bytes_sent = 0
-
-
-def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group=None) -> None:
-    """Send ``send`` to global rank ``dst`` while receiving ``recv`` from ``src``; wait for both.
-
-    Posting the receive and the send together is what keeps a ring from deadlocking (if
-    every rank first did a blocking send, all would wait for a receiver) and lets the
-    two directions of a link work at the same time. Empty tensors are not sent at all:
-    both ends know the chunk sizes, so they skip the same messages.
-    """
-    global _bytes_sent
-    requests = []
-    if recv.numel():
-        requests.append(dist.irecv(recv, src, group=group))
-    if send.numel():
-        requests.append(dist.isend(send, dst, group=group))
-        _bytes_sent += send.numel() * send.element_size()
-    for request in requests:
-        request.wait()
-
-
-_scratch = threading.local()  # per thread: DDP may run the ring on a helper thread
-
-
-def scratch_buffers(numel: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two scratch tensors of ``numel`` elements with ``like``'s dtype and device, reused
-    from call to call: fresh large buffers would cost page faults on every all-reduce
-    (the memory they keep is the price)."""
-    key = (like.dtype, like.device)
-    cache = getattr(_scratch, "buffers", None)
-    if cache is None:
-        cache = _scratch.buffers = {}
-    if key not in cache or cache[key].shape[1] < numel:
-        cache[key] = torch.empty(2, numel, dtype=like.dtype, device=like.device)
-    buf = cache[key]
-    return buf[0, :numel], buf[1, :numel]
-
-
-def _send(tensor: torch.Tensor, dst: int, group=None) -> None:
-    global _bytes_sent
-    if tensor.numel():
-        dist.send(tensor, dst, group=group)
-        _bytes_sent += tensor.numel() * tensor.element_size()
-
-
-def _recv(tensor: torch.Tensor, src: int, group=None) -> None:
-    if tensor.numel():
-        dist.recv(tensor, src, group=group)
-
-
-def _global(group, local_rank: int) -> int:
-    return local_rank if group is None else dist.get_global_rank(group, local_rank)
-
-
-def _flat(tensor: torch.Tensor, name: str, what: str) -> torch.Tensor:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(tensor).__name__}")
-    if not tensor.is_contiguous():
-        raise ValueError(f"{name}: {what} must be contiguous (call .contiguous() first)")
-    return tensor.view(-1)
-
-
-def chunk_sizes(numel: int, world_size: int) -> list[int]:
-    """Sizes of the N chunks of an n-element tensor: ``tensor_split`` layout, largest first."""
-    base, extra = divmod(numel, world_size)
-    return [base + 1 if i < extra else base for i in range(world_size)]
-
-
-def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum ``input`` over all ranks and leave chunk r of the sum in ``output`` on rank r.
-
-    ``input`` (n elements, not modified) is split into N chunks as by
-    ``input.view(-1).tensor_split(N)``; ``output`` must have as many elements as this
-    rank's chunk. N-1 steps: at step s rank r sends chunk (r-s-1) mod N — its own input
-    chunk at s = 0, afterwards the partial sum it built at step s-1 — to its successor,
-    receives the partial sum of chunk (r-s-2) mod N from its predecessor and adds its
-    own input chunk to it. After the last step the chunk it completes is chunk r.
-    Each rank sends n - |chunk r| elements. ``output`` may be a view of ``input``'s
-    chunk r (ring_all_reduce relies on that). Returns ``output``.
-    """
-    name = "ring_reduce_scatter"
-    flat_in, flat_out = _flat(input, name, "input"), _flat(output, name, "output")
-    if output.dtype != input.dtype:
-        raise ValueError(f"{name}: output dtype {output.dtype} differs from input {input.dtype}")
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    sizes = chunk_sizes(flat_in.numel(), world)
-    if flat_out.numel() != sizes[rank]:
-        raise ValueError(
-            f"{name}: output has {flat_out.numel()} elements, but rank {rank}'s chunk of an "
-            f"input of {flat_in.numel()} elements over {world} ranks has {sizes[rank]}"
-        )
-    ### BEGIN SOLUTION
-    # HINT: chunks = flat_in.tensor_split(world); prev_rank, next_rank = ring_neighbours(group)
-    # HINT: two scratch buffers of max(sizes) elements, one to receive into, one to add into:
-    # HINT: recv_buf, acc_buf = scratch_buffers(max(sizes), input)
-    # HINT: exchange(send, next_rank, recv, prev_rank, group) sends and receives at the same time
-    chunks = flat_in.tensor_split(world)
-    prev_rank, next_rank = ring_neighbours(group)
-    if world == 1:
-        flat_out.copy_(flat_in)
-        return output
-    recv_buf, acc_buf = scratch_buffers(max(sizes), input)
-    send = chunks[(rank - 1) % world]
-    for step in range(world - 1):
-        c = (rank - step - 2) % world  # the chunk whose partial sum arrives now
-        recv = recv_buf[: sizes[c]]
-        exchange(send, next_rank, recv, prev_rank, group)
-        last = step == world - 2
-        acc = flat_out if last else acc_buf[: sizes[c]]
-        torch.add(chunks[c], recv, out=acc)  # own contribution + everyone's before us
-        send = acc
-    return output
-    ### END SOLUTION
-
-
-def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
-    """Fill ``output`` on every rank with every rank's ``input``, rank r's input as chunk r.
-
-    ``output`` (n elements) is split as by ``output.view(-1).tensor_split(N)``; ``input``
-    must have as many elements as chunk r. Rank r first copies its input into chunk r.
-    N-1 steps: at step s rank r sends chunk (r-s) mod N to its successor and receives
-    chunk (r-s-1) mod N from its predecessor, straight into ``output``. Each rank sends
-    n - |chunk r+1| elements. ``input`` may be a view of ``output``'s chunk r.
-    Returns ``output``.
-    """
-    name = "ring_all_gather"
-    flat_in, flat_out = _flat(input, name, "input"), _flat(output, name, "output")
-    if output.dtype != input.dtype:
-        raise ValueError(f"{name}: output dtype {output.dtype} differs from input {input.dtype}")
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    sizes = chunk_sizes(flat_out.numel(), world)
-    if flat_in.numel() != sizes[rank]:
-        raise ValueError(
-            f"{name}: input has {flat_in.numel()} elements, but rank {rank}'s chunk of an "
-            f"output of {flat_out.numel()} elements over {world} ranks has {sizes[rank]}"
-        )
-    ### BEGIN SOLUTION
-    # HINT: after copying the input into chunk r, every step forwards the chunk received last
-    chunks = flat_out.tensor_split(world)
-    prev_rank, next_rank = ring_neighbours(group)
-    chunks[rank].copy_(flat_in)
-    for step in range(world - 1):
-        send, recv = chunks[(rank - step) % world], chunks[(rank - step - 1) % world]
-        exchange(send, next_rank, recv, prev_rank, group)
-    return output
-    ### END SOLUTION
-
-
-def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum ``tensor`` over all ranks, in place: a ring reduce-scatter, then a ring all-gather.
-
-    Afterwards every rank holds the same sum, bit for bit (the all-gather copies the one
-    sum each chunk's owner computed). Each rank sends 2n - |chunk r| - |chunk r+1|
-    elements, i.e. 2(N-1)/N·n when N divides n. Returns ``tensor``.
-    """
-    flat = _flat(tensor, "ring_all_reduce", "tensor")
-    ### BEGIN SOLUTION
-    # HINT: rank r's chunk of the tensor can be both the output of the reduce-scatter and the
-    # HINT: input of the all-gather: mine = flat.tensor_split(world)[rank]
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    mine = flat.tensor_split(world)[rank]
-    ring_reduce_scatter(mine, flat, group)
-    ring_all_gather(flat, mine, group)
-    return tensor
-    ### END SOLUTION
+# The building blocks and the ring live in their own files (one role each); this module
+# re-exports them, so ``from minitrain.collectives import ...`` works for every name as before.
+# The helpers the algorithms below call keep their old private names here: the algorithms read
+# as before, and learners' exercise files made before the split import ``_flat`` from here.
+from minitrain.collectives_exchange import (  # noqa: F401 — part of this module's API
+    bytes_sent,
+    chunk_sizes,
+    exchange,
+    flat_view,
+    global_rank,
+    recv_nonempty,
+    reset_bytes_sent,
+    scratch_buffers,
+    send_counted,
+)
+from minitrain.collectives_exchange import flat_view as _flat
+from minitrain.collectives_exchange import global_rank as _global
+from minitrain.collectives_exchange import recv_nonempty as _recv
+from minitrain.collectives_exchange import send_counted as _send
+from minitrain.collectives_ring import (  # noqa: F401 — part of this module's API
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+)
 
 
 def naive_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:

@@ -28,9 +28,7 @@ Why it is built this way (facts measured on a 2-core CPU machine, torch 2.13):
 from __future__ import annotations
 
 import multiprocessing as mp
-import multiprocessing.connection as mpc
 import os
-import signal
 import tempfile
 import time
 
@@ -38,6 +36,8 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+# waiting for the ranks and naming the one that failed: its own file (launch_errors.py)
+from minitrain.launch_errors import LaunchError, wait_for_ranks  # noqa: F401 — API too
 from minitrain.rank import (  # noqa: F401 — part of this module's API too
     HOST,
     default_backend,
@@ -48,14 +48,6 @@ from minitrain.rank import (  # noqa: F401 — part of this module's API too
 )
 
 _PRELOAD = ["torch", "torch.distributed", "cloudpickle", "minitrain.launch", "minitrain.rank"]
-
-
-class LaunchError(RuntimeError):
-    """A rank failed, died or got stuck. ``.ranks`` lists the ranks at fault."""
-
-    def __init__(self, message: str, ranks: list[int]):
-        super().__init__(message)
-        self.ranks = ranks
 
 
 class RankResults(list):
@@ -173,7 +165,7 @@ def launch(
             child_end.close()
             procs.append(p)
             conns.append(parent_end)
-        messages = _collect(procs, conns, timeout, stack_dir)
+        messages = wait_for_ranks(procs, conns, timeout, stack_dir)
         finished = True
         for c in conns:
             c.send("exit")
@@ -192,100 +184,6 @@ def launch(
     if print_output:
         _print_rank_output(results.output)
     return results
-
-
-def _collect(procs, conns, timeout, stack_dir):
-    """Wait for every rank's message; turn the first failure, death or the timeout into LaunchError."""
-    deadline = time.monotonic() + timeout
-    messages: dict[int, tuple] = {}
-    waiting = {conns[r]: r for r in range(len(procs))}
-    sentinels = {procs[r].sentinel: r for r in range(len(procs))}
-    while waiting:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            stuck = sorted(waiting.values())
-            stacks = _stacks_of(procs, stuck, stack_dir)
-            raise LaunchError(
-                f"rank{'s' if len(stuck) > 1 else ''} {', '.join(map(str, stuck))} did not finish "
-                f"within the {timeout:g} s timeout (stuck in a collective or a recv nobody sends?)."
-                f"{stacks}",
-                stuck,
-            )
-        ready = mpc.wait(list(waiting) + list(sentinels), timeout=remaining)
-        for obj in ready:
-            if obj in waiting:
-                rank = waiting.pop(obj)
-                try:
-                    msg = obj.recv()
-                except EOFError:  # the process ended without sending anything
-                    procs[rank].join(timeout=1.0)
-                    raise LaunchError(_death_message(rank, procs[rank].exitcode), [rank]) from None
-                messages[rank] = msg
-                sentinels.pop(procs[rank].sentinel, None)
-                if msg[0] == "error":
-                    raise _raised(rank, msg, waiting)
-            elif obj in sentinels:
-                rank = sentinels.pop(obj)
-                if rank in waiting.values() and not conns[rank].poll():
-                    raise LaunchError(_death_message(rank, procs[rank].exitcode), [rank])
-    return messages
-
-
-def _raised(rank, msg, waiting, grace: float = 0.2) -> LaunchError:
-    """The error for ranks that raised: wait ``grace`` seconds for other ranks' reports, then
-    show the traceback of the rank that failed first — its peers often fail only because it
-    died ("connection closed"). Ranks that failed the same way within a few milliseconds
-    (the same bug everywhere) count as one: the lowest of them is shown, so the message does
-    not depend on which process happened to be scheduled first."""
-    failed = {rank: msg}
-    for conn in mpc.wait(list(waiting), timeout=grace):
-        try:
-            other = conn.recv()
-        except EOFError:
-            continue
-        if other[0] == "error":
-            failed[waiting[conn]] = other
-
-    def kind(m):  # the exception's type, from the traceback's last line
-        return m[2].strip().splitlines()[-1].split(":")[0]
-
-    origin = min(failed.values(), key=lambda m: m[5])
-    first = min(r for r, m in failed.items() if kind(m) == kind(origin) and m[5] - origin[5] < 0.05)
-    text, printed = failed[first][2], failed[first][4]
-    return LaunchError(
-        f"rank {first} raised an exception:\n{text}"
-        + (f"\nIt printed:\n{printed}" if printed.strip() else ""),
-        [first],
-    )
-
-
-def _death_message(rank: int, code) -> str:
-    how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-    return f"rank {rank} died ({how}) before returning a result"
-
-
-def _stacks_of(procs, ranks, stack_dir) -> str:
-    """Ask stuck ranks for their Python stack (faulthandler on SIGUSR1) and format it."""
-    for r in ranks:
-        if procs[r].is_alive():
-            os.kill(procs[r].pid, signal.SIGUSR1)
-    time.sleep(0.3)
-    parts = []
-    for r in ranks:
-        try:
-            with open(os.path.join(stack_dir, f"rank{r}.stack")) as fh:
-                text = fh.read().strip()
-        except OSError:
-            text = ""
-        # keep the learner's frames: drop the launcher and multiprocessing ones below them
-        text = "\n".join(
-            line
-            for line in text.splitlines()
-            if "multiprocessing" not in line and "<string>" not in line and "rank_main" not in line
-        )
-        if text:
-            parts.append(f"\n\nrank {r} was waiting here:\n{text}")
-    return "".join(parts)
 
 
 def _stop_all(procs, grace: float):

@@ -9,10 +9,10 @@ import math
 import time
 import torch
 import torch.nn.functional as F
-import weakref
 from dataclasses import dataclass
 from torch import nn
 from minitrain.memory import BYTES_PER_PARAMETER
+from minitrain.memory_measure import LiveSavedBytes, memory_timeline, saved_activation_bytes
 from minitrain.model import GPTConfig, lm_loss
 
 
@@ -133,4 +133,4 @@ def accumulate_gradients(model, micro_batches, loss_fn=None) -> float:
     return mean_loss
     ### END SOLUTION
 
-# minitrain-exercises-hash: 546cc4364a44d3d0
+# minitrain-exercises-hash: 9cbe680a7c5837db

@@ -97,7 +97,7 @@ MUTATIONS = [
     ),
     Mutation(
         "ring all-reduce skips the all-gather phase",
-        "minitrain/collectives.py",
+        "minitrain/collectives_ring.py",
         "    ring_all_gather(flat, mine, group)\n",
         "",
         ["tests/grading/test_ch04_collectives_and_ddp.py::test_ring_all_reduce"],

@@ -14,7 +14,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "minitrain"
 
 # layer 1: the distributed runtime; layer 3: what is built on the techniques
-RUNTIME = {"launch", "rank", "point_to_point", "trace", "hello"}
+RUNTIME = {"launch", "launch_errors", "rank", "point_to_point", "trace", "hello"}
 TOP = {"widgets", "bench", "course", "exercises", "grade"}
 
 

@@ -1,0 +1,100 @@
+"""The send/receive steps every collective of ``minitrain.collectives`` is built from.
+
+Used by ``minitrain/collectives_ring.py`` (chapter 4's exercises), the naive and
+recursive-doubling all-reduces of ``minitrain/collectives.py``, and, through that module
+(which re-exports every name here), ``minitrain.cost_model`` and
+notebooks/04_collectives_and_data_parallel.ipynb (it prints ``exchange``). Here:
+
+* the byte counter (``bytes_sent`` / ``reset_bytes_sent``): every send below adds to it, so
+  the notebook can compare what a rank sent with the formulas of ``minitrain.collectives``;
+* ``exchange``, the simultaneous send + receive a ring step is made of, and the blocking
+  ``send_counted`` / ``recv_nonempty`` the naive and recursive-doubling algorithms use;
+* the chunk layout (``chunk_sizes``: ``tensor_split``'s) and the scratch buffers the ring
+  reuses from call to call;
+* ``flat_view`` / ``global_rank``: checking a tensor argument, naming a group's rank globally.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+_bytes_sent = 0
+
+
+def bytes_sent() -> int:
+    """Bytes this process has sent through minitrain.collectives' algorithms since the last reset."""
+    return _bytes_sent
+
+
+def reset_bytes_sent() -> None:
+    global _bytes_sent
+    _bytes_sent = 0
+
+
+def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group=None) -> None:
+    """Send ``send`` to global rank ``dst`` while receiving ``recv`` from ``src``; wait for both.
+
+    Posting the receive and the send together is what keeps a ring from deadlocking (if
+    every rank first did a blocking send, all would wait for a receiver) and lets the
+    two directions of a link work at the same time. Empty tensors are not sent at all:
+    both ends know the chunk sizes, so they skip the same messages.
+    """
+    global _bytes_sent
+    requests = []
+    if recv.numel():
+        requests.append(dist.irecv(recv, src, group=group))
+    if send.numel():
+        requests.append(dist.isend(send, dst, group=group))
+        _bytes_sent += send.numel() * send.element_size()
+    for request in requests:
+        request.wait()
+
+
+_scratch = threading.local()  # per thread: DDP may run the ring on a helper thread
+
+
+def scratch_buffers(numel: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two scratch tensors of ``numel`` elements with ``like``'s dtype and device, reused
+    from call to call: fresh large buffers would cost page faults on every all-reduce
+    (the memory they keep is the price)."""
+    key = (like.dtype, like.device)
+    cache = getattr(_scratch, "buffers", None)
+    if cache is None:
+        cache = _scratch.buffers = {}
+    if key not in cache or cache[key].shape[1] < numel:
+        cache[key] = torch.empty(2, numel, dtype=like.dtype, device=like.device)
+    buf = cache[key]
+    return buf[0, :numel], buf[1, :numel]
+
+
+def send_counted(tensor: torch.Tensor, dst: int, group=None) -> None:
+    global _bytes_sent
+    if tensor.numel():
+        dist.send(tensor, dst, group=group)
+        _bytes_sent += tensor.numel() * tensor.element_size()
+
+
+def recv_nonempty(tensor: torch.Tensor, src: int, group=None) -> None:
+    if tensor.numel():
+        dist.recv(tensor, src, group=group)
+
+
+def global_rank(group, local_rank: int) -> int:
+    return local_rank if group is None else dist.get_global_rank(group, local_rank)
+
+
+def flat_view(tensor: torch.Tensor, name: str, what: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name}: {what} must be contiguous (call .contiguous() first)")
+    return tensor.view(-1)
+
+
+def chunk_sizes(numel: int, world_size: int) -> list[int]:
+    """Sizes of the N chunks of an n-element tensor: ``tensor_split`` layout, largest first."""
+    base, extra = divmod(numel, world_size)
+    return [base + 1 if i < extra else base for i in range(world_size)]
