@@ -1,4 +1,4 @@
-"""Chapter 4 solutions — generated from minitrain.collectives_ring, minitrain.ddp.bucketing, minitrain.ddp.data_parallel.
+"""Chapter 4 solutions — generated from minitrain.collectives.ring, minitrain.ddp.bucketing, minitrain.ddp.data_parallel.
 
 The worked answers. Look one up when you are stuck; the library has them too.
 """
@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from torch import nn
 from minitrain import trace
-from minitrain.collectives_exchange import chunk_sizes, exchange, flat_view as _flat, scratch_buffers
-from minitrain.ddp.buckets import GradientBucket, make_buckets
+from minitrain.collectives.exchange import chunk_sizes, exchange, flat_view as _flat, scratch_buffers
+from minitrain.ddp.gradient_bucket import GradientBucket, make_buckets
 from minitrain.ddp.replicas import broadcast_from_first_rank, check_replicas_match
 from minitrain.point_to_point import ring_neighbours
 
@@ -178,4 +178,4 @@ class DataParallel:
             self._launch_ready_buckets()
         ### END SOLUTION
 
-# minitrain-exercises-hash: 7700f2b7752b1414
+# minitrain-exercises-hash: 08da797b03a2b58f

@@ -48,7 +48,7 @@ class Mutation(NamedTuple):
 
 
 DDP, FP8 = "minitrain/ddp/data_parallel.py", "minitrain/precision/fp8.py"
-DDP_BUCKETS = "minitrain/ddp/buckets.py"  # a bucket's flat buffer, all-reduce and write-back
+DDP_BUCKETS = "minitrain/ddp/gradient_bucket.py"  # a bucket's flat buffer, all-reduce and write-back
 ZERO, COMPOSE = "minitrain/zero/data_parallel.py", "tests/test_composition.py"
 # issue 14: stage 3's gather/free hooks and ordered reductions moved here, shared with FSDP
 SHARED, FSDP = "minitrain/zero/sharded_units.py", "minitrain/fsdp/wrapper.py"
@@ -97,7 +97,7 @@ MUTATIONS = [
     ),
     Mutation(
         "ring all-reduce skips the all-gather phase",
-        "minitrain/collectives_ring.py",
+        "minitrain/collectives/ring.py",
         "    ring_all_gather(flat, mine, group)\n",
         "",
         ["tests/grading/test_ch04_collectives_and_ddp.py::test_ring_all_reduce"],

@@ -33,7 +33,7 @@ CHAPTERS: dict[int, tuple[str, list[str]]] = {
     3: ("ex03_checkpointing", ["minitrain.checkpointing.function", "minitrain.checkpointing.cost"]),
     4: (
         "ex04_collectives_and_ddp",
-        ["minitrain.collectives_ring", "minitrain.ddp.bucketing", "minitrain.ddp.data_parallel"],
+        ["minitrain.collectives.ring", "minitrain.ddp.bucketing", "minitrain.ddp.data_parallel"],
     ),
     5: (
         "ex05_zero",

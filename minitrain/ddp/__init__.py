@@ -5,7 +5,7 @@ Used by notebooks/04_collectives_and_data_parallel.ipynb. Files by role:
 - ``replicas.py``: ``broadcast_from_first_rank``, how replicas start equal (ZeRO and FSDP
   use it too), and the check that every rank wraps the same model;
 - ``bucketing.py``: ``assign_buckets``, the rule that groups gradients (ZeRO uses it too);
-- ``buckets.py``: ``GradientBucket``, one bucket's flat buffer, its all-reduce and the
+- ``gradient_bucket.py``: ``GradientBucket``, one bucket's flat buffer, its all-reduce and the
   averages it writes back into ``.grad``;
 - ``data_parallel.py``: ``DataParallel`` (bucketed all-reduce overlapped with backward,
   ``no_sync``): when gradients enter buckets and when buckets are reduced;

@@ -16,7 +16,7 @@ Accelerating Data Parallel Training", §3.2):
 ``DataParallel(bucket_cap_mb=0, overlap=False)`` etc. give the teaching variants of
 ``VARIANTS``. This file decides *when* gradients enter buckets and buckets are reduced;
 replicas.py: replicas start equal; bucketing.py: which gradients share a bucket;
-buckets.py: a bucket's flat buffer and its all-reduce; measure.py: measuring the variants.
+gradient_bucket.py: a bucket's flat buffer and its all-reduce; measure.py: measuring the variants.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from torch import nn
 
 from minitrain import trace
 from minitrain.ddp.bucketing import assign_buckets  # noqa: F401 — importable from here too
-from minitrain.ddp.buckets import GradientBucket, make_buckets
+from minitrain.ddp.gradient_bucket import GradientBucket, make_buckets
 from minitrain.ddp.replicas import broadcast_from_first_rank, check_replicas_match
 
 VARIANTS = {

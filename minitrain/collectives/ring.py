@@ -2,13 +2,14 @@
 
 Used by notebooks/04_collectives_and_data_parallel.ipynb (through ``minitrain.collectives``,
 which re-exports them) and by ``minitrain.ddp``'s ``communication="ring"``; listed in
-``minitrain/course/exercises.py`` CHAPTERS, so ``python -m minitrain.exercises build`` makes
+``minitrain/course/chapters.py`` CHAPTERS, so ``python -m minitrain.exercises build`` makes
 the chapter 4 exercise stubs from these functions and the grader patches a learner's version
 in here (every ``minitrain`` module holding them, ``minitrain.collectives`` included, gets it).
 
 The algorithm (Patarasuk & Yuan 2009; Baidu's "ring all-reduce" 2017), its byte counts and
 the chunk layout (``flat.tensor_split(N)``, rank r owns chunk r) are explained in
-``minitrain/collectives.py``'s docstring, next to the naive and recursive-doubling ones.
+the package's docstring (``minitrain/collectives/__init__.py``), next to the naive and
+recursive-doubling ones.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minitrain.collectives_exchange import chunk_sizes, exchange, scratch_buffers
+from minitrain.collectives.exchange import chunk_sizes, exchange, scratch_buffers
 
 # flat_view under the name the exercises were written with (their text, the generated stubs
 # and notebook 04's printout say ``_flat``)
-from minitrain.collectives_exchange import flat_view as _flat
+from minitrain.collectives.exchange import flat_view as _flat
 from minitrain.point_to_point import ring_neighbours
 
 

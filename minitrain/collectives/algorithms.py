@@ -1,37 +1,9 @@
-"""Collectives built from nothing but send and receive: naive, ring and recursive doubling.
+"""Naive and recursive-doubling all-reduce, the bytes each algorithm sends, and ``all_reduce``
+by name — the two algorithms notebook 04 compares with the ring (``ring.py``).
 
-Used by notebooks/04_collectives_and_data_parallel.ipynb; the DataParallel of
-``minitrain.ddp`` can run on ``ring_all_reduce`` (``communication="ring"``).
-
-All-reduce leaves on every rank the sum of every rank's tensor. Three ways to do it:
-
-* naive: everyone sends its tensor to a root, which adds them up and sends the sum
-  back — the root's link carries 2(N-1)·n bytes, so it does not scale;
-* ring (Patarasuk & Yuan 2009, "Bandwidth optimal all-reduce algorithms for clusters
-  of workstations"; Baidu's "ring all-reduce" 2017): a reduce-scatter followed by an
-  all-gather, each N-1 steps in which every rank sends one chunk (n/N elements) to its
-  ring successor. Each rank sends 2(N-1)/N·n elements — independent of N: optimal;
-* recursive doubling (Thakur, Rabenseifner & Gropp 2005, "Optimization of collective
-  communication operations in MPICH", §4): log2(N) steps, each swapping the whole
-  tensor with a partner — few messages (good for small tensors), more bytes.
-
-Chunk layout (our decision, documented in docs/ch04_collectives_and_ddp.md): a tensor
-of n elements is split like ``flat.tensor_split(N)`` — N contiguous chunks, the first
-n mod N of them one element longer. Rank r owns chunk r: ``ring_reduce_scatter``'s
-output on rank r has that chunk's size and ``ring_all_gather``'s input on rank r too.
-Where N divides n this is exactly torch's ``reduce_scatter_tensor`` /
-``all_gather_into_tensor``; chunks may be empty (n < N, or n = 0).
-
-Sums are accumulated in the tensor's own dtype, one rounding per addition, as gloo
-does (measured: gloo's fp16 all-reduce of 1, eps/2, eps/2 is not the fp32 sum).
-
-Every rank counts the bytes it sends (``bytes_sent`` / ``reset_bytes_sent``) so the
-notebook can compare them with the formulas.
-
-Files: this one has the naive and recursive-doubling all-reduces, the byte formulas
-(``predicted_bytes_sent``) and ``all_reduce`` by name; the ring (chapter 4's exercises) is
-``minitrain/collectives_ring.py``, the send/receive building blocks and the byte counter
-``minitrain/collectives_exchange.py``. Every name is importable from here.
+Used by notebooks/04_collectives_and_data_parallel.ipynb and ``python -m minitrain.bench
+allreduce``, through ``minitrain.collectives``. The algorithms and their costs are described
+in the package's docstring (``minitrain/collectives/__init__.py``).
 """
 
 from __future__ import annotations
@@ -39,30 +11,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# The building blocks and the ring live in their own files (one role each); this module
-# re-exports them, so ``from minitrain.collectives import ...`` works for every name as before.
-# The helpers the algorithms below call keep their old private names here: the algorithms read
-# as before, and learners' exercise files made before the split import ``_flat`` from here.
-from minitrain.collectives_exchange import (  # noqa: F401 — part of this module's API
-    bytes_sent,
-    chunk_sizes,
-    exchange,
-    flat_view,
-    global_rank,
-    recv_nonempty,
-    reset_bytes_sent,
-    scratch_buffers,
-    send_counted,
-)
-from minitrain.collectives_exchange import flat_view as _flat
-from minitrain.collectives_exchange import global_rank as _global
-from minitrain.collectives_exchange import recv_nonempty as _recv
-from minitrain.collectives_exchange import send_counted as _send
-from minitrain.collectives_ring import (  # noqa: F401 — part of this module's API
-    ring_all_gather,
-    ring_all_reduce,
-    ring_reduce_scatter,
-)
+from minitrain.collectives.exchange import chunk_sizes, exchange
+
+# the send/receive helpers under the short names the algorithms below were written with
+from minitrain.collectives.exchange import flat_view as _flat
+from minitrain.collectives.exchange import global_rank as _global
+from minitrain.collectives.exchange import recv_nonempty as _recv
+from minitrain.collectives.exchange import send_counted as _send
+from minitrain.collectives.ring import ring_all_reduce
 
 
 def naive_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
@@ -164,4 +120,7 @@ def all_reduce(tensor: torch.Tensor, algorithm: str = "ring", group=None) -> tor
     """
     if algorithm not in ALGORITHMS:
         raise ValueError(f"all_reduce: unknown algorithm {algorithm!r}; use one of {ALGORITHMS}")
-    return globals()[f"{algorithm}_all_reduce"](tensor, group)
+    # this module's globals, read now: a ring_all_reduce the grader patched in is the one that runs
+    run = {"naive": naive_all_reduce, "ring": ring_all_reduce,
+           "recursive_doubling": recursive_doubling_all_reduce}[algorithm]  # fmt: skip
+    return run(tensor, group)

@@ -1,8 +1,8 @@
 """The send/receive steps every collective of ``minitrain.collectives`` is built from.
 
-Used by ``minitrain/collectives_ring.py`` (chapter 4's exercises), the naive and
-recursive-doubling all-reduces of ``minitrain/collectives.py``, and, through that module
-(which re-exports every name here), ``minitrain.cost_model`` and
+Used by ``ring.py`` (chapter 4's exercises), the naive and recursive-doubling all-reduces of
+``algorithms.py``, and, through ``minitrain.collectives`` (which re-exports every public name
+here), ``minitrain.cost_model`` and
 notebooks/04_collectives_and_data_parallel.ipynb (it prints ``exchange``). Here:
 
 * the byte counter (``bytes_sent`` / ``reset_bytes_sent``): every send below adds to it, so
