@@ -32,7 +32,7 @@ test: lint unit grade-verify nbval browser
 	@echo "make test: every check passed"
 
 # the same checks on a multi-GPU machine (.github/workflows/gpu.yml runs it): launches with a
-# GPU per rank use NCCL for CUDA tensors (minitrain.rank.default_backend) and nbval compares the
+# GPU per rank use NCCL for CUDA tensors (minitrain.runtime.rank.default_backend) and nbval compares the
 # same committed outputs. Without a GPU it refuses, unless GPU_BACKEND forces a backend:
 # `make test-gpu GPU_BACKEND=cpu:gloo` runs these very commands on a CPU machine.
 GPU_BACKEND ?=

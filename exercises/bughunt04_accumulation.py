@@ -9,8 +9,9 @@ curve is perfect, the job is just k times chattier.
 What you see: Accumulating 4 micro-batches on 2 ranks gives exactly the right gradients, but
 the timeline shows an all-reduce after every micro-batch, and 4x the bytes of one step.
 
-Your tools: notebook 04's timeline (`launch(...).traces`, `minitrain.trace.plot_timeline`):
-count the 'all-reduce bucket' spans per step; chapter 4's formula for the bytes of one step.
+Your tools: notebook 04's timeline (`launch(...).traces`,
+`minitrain.runtime.trace.plot_timeline`): count the 'all-reduce bucket' spans per step;
+chapter 4's formula for the bytes of one step.
 
 One line of the function below is wrong or missing. Fix it in
 my_exercises/bughunt04_accumulation.py (run `python -m minitrain.exercises start` once),
@@ -36,4 +37,4 @@ class DataParallel:
         finally:
             self._sync_enabled = previous
 
-# minitrain-exercises-hash: da9c9cc71a71f408
+# minitrain-exercises-hash: 279d5858c58f5ccc

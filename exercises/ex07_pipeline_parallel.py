@@ -15,12 +15,12 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from fractions import Fraction
 from torch import nn
-from minitrain import trace
 from minitrain.checkpointing import set_checkpointing
 from minitrain.pipeline.check import ScheduleError, dependencies, simulate
 from minitrain.pipeline.executor import PipelineStage, StepState
 from minitrain.pipeline.partition import StageChunk, split_blocks
 from minitrain.pipeline.schedules import check_sizes, make_schedule
+from minitrain.runtime import trace
 
 
 def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> list[list[tuple]]:
@@ -69,4 +69,4 @@ def bubble_fraction(schedule, num_chunks: int = 1) -> Fraction:
     # HINT: sweep the stages repeatedly, running each next action whose dependencies finished.
     raise NotImplementedError("exercise: write bubble_fraction (see its docstring)")
 
-# minitrain-exercises-hash: 45fc518b9d9296b3
+# minitrain-exercises-hash: 6ef09417717922b3

@@ -1,7 +1,7 @@
 """minitrain: how large language models are trained efficiently, built from scratch.
 
 One module per technique; each notebook in ``notebooks/`` teaches one of them.
-Modules are imported on demand (``from minitrain.launch import launch``) so that
+Modules are imported on demand (``from minitrain.runtime import launch``) so that
 importing the package stays cheap in every worker process.
 """
 

@@ -111,7 +111,7 @@ class DeviceMesh:
         self.dp, self.tp, self.pp, self.cp = dp, tp, pp, cp
         if not dist.is_initialized():
             raise RuntimeError(
-                "DeviceMesh needs the default process group: run under minitrain.launch or torchrun"
+                "DeviceMesh needs the default process group: run under minitrain.runtime or torchrun"
             )
         world = dist.get_world_size()
         product = dp * tp * pp * cp

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from minitrain.cost_model import predict_all_reduce
+from minitrain.collectives.cost_model import predict_all_reduce
 from minitrain.model import GPTConfig
 from minitrain.pipeline import split_blocks
+from minitrain.step import flops_per_token
 from minitrain.tensor_parallel.measure import layer_activation_bytes
-from minitrain.train_step import flops_per_token
 from minitrain.zero import memory_formula
 
 BYTES_PER_ELEMENT = {"fp32": 4, "mixed": 2}  # activations and messages

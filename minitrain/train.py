@@ -25,9 +25,9 @@ import time
 
 import torch.distributed as dist
 
-from minitrain.launch import LaunchError, run, running_under_torchrun
 from minitrain.model import GPTConfig
-from minitrain.train_step import flops_per_token, mfu
+from minitrain.runtime import LaunchError, run, running_under_torchrun
+from minitrain.step import flops_per_token, mfu
 
 CPU_PEAK_FLOPS = 118.4e9  # per rank: this course machine's fp32 FMA peak per core (bench mfu)
 
@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
     layout.add_argument("--sequence-parallel", action="store_true", help="with --tp > 1")
     layout.add_argument("--nproc", type=int, default=None,
-                        help="local ranks through minitrain.launch (default: dp·tp·pp·cp)")
+                        help="local ranks through minitrain.runtime (default: dp·tp·pp·cp)")
     train = p.add_argument_group("training")
     train.add_argument("--steps", type=int, default=50)
     train.add_argument("--batch-size", type=int, default=8, help="global batch (sequences)")

@@ -1,4 +1,4 @@
-"""Chapter 0 solutions — generated from minitrain.point_to_point.
+"""Chapter 0 solutions — generated from minitrain.runtime.point_to_point.
 
 The worked answers. Look one up when you are stuck; the library has them too.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from minitrain.point_to_point import ring_neighbours
+from minitrain.runtime.point_to_point import ring_neighbours
 
 
 def pass_the_token(token: torch.Tensor, group=None) -> torch.Tensor:
@@ -65,4 +65,4 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
     return tensor
     ### END SOLUTION
 
-# minitrain-exercises-hash: 70d23063e7782e68
+# minitrain-exercises-hash: 5495f0071852d008

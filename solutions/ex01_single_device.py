@@ -1,4 +1,4 @@
-"""Chapter 1 solutions — generated from minitrain.model, minitrain.memory, minitrain.train_step.
+"""Chapter 1 solutions — generated from minitrain.model, minitrain.memory.formulas, minitrain.step.
 
 The worked answers. Look one up when you are stuck; the library has them too.
 """
@@ -11,8 +11,7 @@ import torch
 import torch.nn.functional as F
 from dataclasses import dataclass
 from torch import nn
-from minitrain.memory import BYTES_PER_PARAMETER
-from minitrain.memory_measure import LiveSavedBytes, memory_timeline, saved_activation_bytes
+from minitrain.memory.formulas import BYTES_PER_PARAMETER
 from minitrain.model import GPTConfig, lm_loss
 
 
@@ -133,4 +132,4 @@ def accumulate_gradients(model, micro_batches, loss_fn=None) -> float:
     return mean_loss
     ### END SOLUTION
 
-# minitrain-exercises-hash: 9cbe680a7c5837db
+# minitrain-exercises-hash: 6fe32b758ced2740

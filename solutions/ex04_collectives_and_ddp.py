@@ -11,11 +11,11 @@ import torch.distributed as dist
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from torch import nn
-from minitrain import trace
 from minitrain.collectives.exchange import chunk_sizes, exchange, flat_view as _flat, scratch_buffers
 from minitrain.ddp.gradient_bucket import GradientBucket, make_buckets
 from minitrain.ddp.replicas import broadcast_from_first_rank, check_replicas_match
-from minitrain.point_to_point import ring_neighbours
+from minitrain.runtime import trace
+from minitrain.runtime.point_to_point import ring_neighbours
 
 
 def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
@@ -178,4 +178,4 @@ class DataParallel:
             self._launch_ready_buckets()
         ### END SOLUTION
 
-# minitrain-exercises-hash: 08da797b03a2b58f
+# minitrain-exercises-hash: 14cb6197f17a5c7a

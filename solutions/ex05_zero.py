@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from minitrain import trace
 from minitrain.ddp import assign_buckets, broadcast_from_first_rank
 from minitrain.fsdp.clipping import clip_grad_norm_
+from minitrain.runtime import trace
 from minitrain.zero.accounting import count_sent, optimizer_state_tensors, storage_bytes
 from minitrain.zero.buffers import FlatUnit, all_gather_tensor, reduce_scatter_tensor, timed
 from minitrain.zero.mixed_precision import attach_master, cast_inputs, cast_rest
@@ -185,4 +185,4 @@ class FullyShardedDataParallel:
         self._pending.append((u, out, timed(work), start))
         ### END SOLUTION
 
-# minitrain-exercises-hash: 90167a01063e3c32
+# minitrain-exercises-hash: ce3dd4b0014e0e93

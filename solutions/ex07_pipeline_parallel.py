@@ -11,12 +11,12 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from fractions import Fraction
 from torch import nn
-from minitrain import trace
 from minitrain.checkpointing import set_checkpointing
 from minitrain.pipeline.check import ScheduleError, dependencies, simulate
 from minitrain.pipeline.executor import PipelineStage, StepState
 from minitrain.pipeline.partition import StageChunk, split_blocks
 from minitrain.pipeline.schedules import check_sizes, make_schedule
+from minitrain.runtime import trace
 
 
 def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> list[list[tuple]]:
@@ -124,4 +124,4 @@ def bubble_fraction(schedule, num_chunks: int = 1) -> Fraction:
     return 1 - busy / (p * max(free))
     ### END SOLUTION
 
-# minitrain-exercises-hash: b17b3a8e1badcae1
+# minitrain-exercises-hash: 2329dbc559b93718

@@ -8,12 +8,12 @@ from __future__ import annotations
 import torch.distributed as dist
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
-from minitrain.cost_model import predict_all_reduce
+from minitrain.collectives.cost_model import predict_all_reduce
 from minitrain.mesh import AXES, MeshCoords, _sizes
 from minitrain.model import GPTConfig
 from minitrain.pipeline import split_blocks
+from minitrain.step import flops_per_token
 from minitrain.tensor_parallel.measure import layer_activation_bytes
-from minitrain.train_step import flops_per_token
 from minitrain.zero import memory_formula
 
 
@@ -88,4 +88,4 @@ def params_per_rank(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0)
     return total
     ### END SOLUTION
 
-# minitrain-exercises-hash: e06cc3e00eae78fa
+# minitrain-exercises-hash: 63cd72a8dfa41ac3

@@ -558,7 +558,7 @@ MUTATIONS = [
 # imported, here and in a rank (the forkserver's children), or the run would test the original.
 PRECHECK = """
 import sys, minitrain
-from minitrain.launch import launch
+from minitrain.runtime import launch
 def where():
     import minitrain
     return minitrain.__file__

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minitrain.launch import launch
+from minitrain.runtime import launch
 
 SIZES = [0, 1, 2, 3, 5, 12, 1001, 4096]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -182,7 +182,7 @@ def test_chunk_sizes_match_tensor_split():
 
 
 def test_alpha_beta_fit_recovers_a_line_and_predictions_follow_the_formulas():
-    from minitrain.cost_model import fit_alpha_beta, predict_all_reduce
+    from minitrain.collectives.cost_model import fit_alpha_beta, predict_all_reduce
 
     alpha, beta = 50e-6, 1e-9
     sizes = [64, 4096, 2**20, 2**24]

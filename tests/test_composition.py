@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minitrain.launch import launch
+from minitrain.runtime import launch
 from minitrain.zero import memory_formula
 
 H = 6  # hidden width of the branchy model

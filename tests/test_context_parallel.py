@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minitrain.launch import launch
+from minitrain.runtime import launch
 
 TOL = 2e-5
 SHAPE = (2, 2, 24, 8)  # batch, heads, N (divisible by 2P for P = 2 and 3... and 4: 24 = 8·3), d

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from minitrain.ddp import VARIANTS, assign_buckets
-from minitrain.launch import LaunchError, launch
+from minitrain.runtime import LaunchError, launch
 
 GLOBAL_BATCH, STEPS, SEQ = 8, 5, 8
 
@@ -267,8 +267,8 @@ def _no_sync_case():
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from minitrain import trace
     from minitrain.ddp import DataParallel
+    from minitrain.runtime import trace
 
     torch.manual_seed(0)  # the same start everywhere, so the local copy is rank 0's model
     base = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))

@@ -7,9 +7,9 @@ import types
 
 import pytest
 
-from minitrain import point_to_point
 from minitrain.course import exercises, patching
 from minitrain.course.exercises import ROOT
+from minitrain.runtime import point_to_point
 
 
 def test_stub_keeps_signature_docstring_and_hints_but_not_the_solution():
@@ -98,9 +98,9 @@ def test_patching_rebinds_learner_code_into_the_library(tmp_path):
     (tmp_path / "ex00_point_to_point.py").write_text(LEARNER)
     script = textwrap.dedent(f"""
         import torch
-        from minitrain import point_to_point
+        from minitrain.runtime import point_to_point
         from minitrain.course import patching
-        from minitrain.point_to_point import broadcast as imported_before
+        from minitrain.runtime.point_to_point import broadcast as imported_before
         patching.apply_patches({str(tmp_path)!r})
         assert point_to_point.broadcast(None) == "learner"
         assert imported_before is not point_to_point.broadcast   # old reference stays a copy
@@ -121,7 +121,7 @@ def test_missing_learner_function_is_not_graded_on_the_references_behalf(tmp_pat
         "def broadcast(t, src=0, group=None):\n    return t\n"
     )
     script = textwrap.dedent(f"""
-        from minitrain import point_to_point
+        from minitrain.runtime import point_to_point
         from minitrain.course import patching
         patching.apply_patches({str(tmp_path)!r})
         try:

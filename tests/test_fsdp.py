@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from toy_models import Branchy, Toy, mse, toy_batch
 
-from minitrain.launch import launch
+from minitrain.runtime import launch
 
 STEPS = 10
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 from toy_models import Toy, mse, toy_batch  # tests/ is on sys.path under pytest
 
-from minitrain.launch import LaunchError, launch
+from minitrain.runtime import LaunchError, launch
 
 GPT_KW = dict(vocab_size=64, seq_len=16, n_layer=3, n_head=2, d_model=32, bias=False)
 
@@ -186,10 +186,10 @@ def test_bad_arguments_are_named(kind, message):
 
 
 def _measured(dtype):
-    from minitrain import trace
     from minitrain.data import get_batch
     from minitrain.fsdp import FullyShardedDataParallel
     from minitrain.fsdp.measure import gpt_step_report
+    from minitrain.runtime import trace
 
     rank, world = dist.get_rank(), dist.get_world_size()
     fsdp = FullyShardedDataParallel(_gpt(), compute_dtype=dtype)

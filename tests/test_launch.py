@@ -1,4 +1,4 @@
-"""minitrain.launch: results, errors naming the rank, timeouts, nothing left behind."""
+"""minitrain.runtime: results, errors naming the rank, timeouts, nothing left behind."""
 
 import os
 import subprocess
@@ -12,8 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minitrain import trace
-from minitrain.launch import LaunchError, launch
+from minitrain.runtime import LaunchError, launch, trace
 
 
 def _rank_and_sum(offset, scale=1):
@@ -175,7 +174,7 @@ def test_lambdas_and_tensor_results():
 def _torchrun(args, timeout=120):
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", *args, "-m", "minitrain.hello"],
+        [sys.executable, "-m", "torch.distributed.run", *args, "-m", "minitrain.runtime.hello"],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -213,7 +212,7 @@ def test_two_torchrun_nodes_rendezvous_over_c10d():
 
 
 def test_backend_choice(monkeypatch):
-    from minitrain import launch as L
+    from minitrain.runtime import launcher as L
 
     monkeypatch.delenv("MINITRAIN_BACKEND", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

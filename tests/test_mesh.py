@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minitrain.launch import LaunchError, launch
 from minitrain.mesh import AXES, axis_groups, check_layout, rank_coords
 from minitrain.model import GPTConfig
+from minitrain.runtime import LaunchError, launch
 
 LAYOUTS = [dict(dp=2, tp=2, pp=2), dict(tp=2, pp=2, cp=2), dict(dp=4, pp=2), dict(dp=3, tp=2),
            dict(dp=1, tp=1, pp=1, cp=1), dict(dp=2, tp=4, pp=3, cp=2)]

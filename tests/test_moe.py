@@ -8,7 +8,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minitrain.launch import launch
 from minitrain.moe import (
     ExpertParallelMoE,
     MoELayer,
@@ -19,6 +18,7 @@ from minitrain.moe import (
     top_k_routing,
     unsort,
 )
+from minitrain.runtime import launch
 
 
 # ------------------------------------------------------------------ references (loops)

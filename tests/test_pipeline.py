@@ -14,7 +14,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minitrain.launch import launch
 from minitrain.pipeline import (
     ScheduleError,
     bubble_fraction,
@@ -30,6 +29,7 @@ from minitrain.pipeline import (
     zero_bubble_h1_makespan,
     zero_bubble_schedule,
 )
+from minitrain.runtime import launch
 
 SIZES = [(p, m) for p in range(1, 6) for m in range(1, 10)]
 

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minitrain.launch import launch
 from minitrain.model import GPT, GPTConfig
+from minitrain.runtime import launch
 
 CONFIG = dict(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32)
 LOSS_TOL, GRAD_ATOL, GRAD_RTOL = 2e-6, 1e-6, 1e-5

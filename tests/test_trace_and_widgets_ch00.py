@@ -1,11 +1,11 @@
-"""minitrain.trace (events, overlap, timeline) and the ring widget of notebook 00."""
+"""minitrain.runtime.trace (events, overlap, timeline) and the ring widget of notebook 00."""
 
 import matplotlib
 
 matplotlib.use("Agg")
 
-from minitrain import trace  # noqa: E402
-from minitrain.trace import Event  # noqa: E402
+from minitrain.runtime import trace  # noqa: E402
+from minitrain.runtime.trace import Event  # noqa: E402
 from minitrain.widgets.ch00_ring import build_ring_widget, measure_ring_pass  # noqa: E402
 
 

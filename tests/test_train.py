@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from minitrain.compose import single_process_losses
-from minitrain.launch import launch
 from minitrain.model import GPTConfig
+from minitrain.runtime import launch
 from minitrain.tensor_parallel.measure import layer_collectives
 from minitrain.train import main
 

@@ -1,11 +1,11 @@
-"""Unit tests of minitrain.train_step: gradient accumulation, FLOPs, MFU."""
+"""Unit tests of minitrain.step: gradient accumulation, FLOPs, MFU."""
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from minitrain.model import GPT, GPTConfig, gpt_num_params
-from minitrain.train_step import (
+from minitrain.step import (
     accumulate_gradients,
     flops_per_token,
     gradient_accumulation_steps,

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from minitrain.trace import Event
+from minitrain.runtime.trace import Event
 from minitrain.widgets.ch04_ddp import build_bucket_widget, compute_bucket_view, count_buckets
 
 

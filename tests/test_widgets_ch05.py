@@ -3,7 +3,7 @@ headless widget reacting to its controls."""
 
 import pytest
 
-from minitrain.trace import Event
+from minitrain.runtime.trace import Event
 from minitrain.widgets.ch05_zero import build_zero_memory_widget, compute_zero_memory
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from toy_models import Toy, toy_batch
 
-from minitrain.launch import launch
+from minitrain.runtime import launch
 from minitrain.zero import communication_formula, memory_formula, partition_parameters
 
 STEPS, LR = 10, 1e-2
@@ -254,7 +254,7 @@ def test_memory_and_communication_match_the_formulas(world):
 
 # ------------------------------------------------------------------ stage 3 mechanics
 def _stage3_trace():
-    from minitrain import trace
+    from minitrain.runtime import trace
     from minitrain.zero import ZeroDataParallel
 
     torch.manual_seed(0)
@@ -295,7 +295,7 @@ def test_stage3_gathers_twice_frees_and_prefetches():
 
 
 def _stage2_overlap():
-    from minitrain import trace
+    from minitrain.runtime import trace
     from minitrain.zero import ZeroDataParallel
 
     torch.manual_seed(0)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from test_zero import LR  # tests/ is on sys.path under pytest
 from toy_models import Toy, toy_batch
 
-from minitrain.launch import LaunchError, launch
+from minitrain.runtime import LaunchError, launch
 
 
 def _run(stage, steps, save_dir=None, save_at=(), load=None, offload=False, start=0):

@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from minitrain.launch import launch
+from minitrain.runtime import launch
 
 KB, MB = 1024, 1024 * 1024
 SIZES = [KB * 4**i for i in range(9)]  # 1 KB, 4 KB, ..., 64 MB

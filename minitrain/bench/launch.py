@@ -1,4 +1,4 @@
-"""Benchmark: how long a 4-rank launch takes, minitrain.launch vs torch.multiprocessing.spawn.
+"""Benchmark: how long a 4-rank launch takes, minitrain.runtime vs torch.multiprocessing.spawn.
 
     python -m minitrain.bench launch [--world-size 4] [--repeats 10]
 
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
-from minitrain.launch import launch
+from minitrain.runtime import launch
 
 
 def _work():
@@ -72,9 +72,9 @@ def main(argv=None) -> int:
 
     ours, theirs = statistics.median(warm), statistics.median(spawn)
     print(f"{w}-rank launch, all-reduce of one number, gloo, {os.cpu_count()} cores")
-    print(f"  minitrain.launch first (starts the forkserver): {first:.3f} s")
+    print(f"  minitrain.runtime first (starts the forkserver): {first:.3f} s")
     print(
-        f"  minitrain.launch warm, median of {len(warm)}:   {ours:.3f} s "
+        f"  minitrain.runtime warm, median of {len(warm)}:   {ours:.3f} s "
         f"(min {min(warm):.3f}, max {max(warm):.3f})"
     )
     print(f"  torch.multiprocessing.spawn, median of {len(spawn)}:  {theirs:.3f} s")

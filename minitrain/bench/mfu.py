@@ -3,7 +3,7 @@
 ``python -m minitrain.bench mfu [--peak-gflops G] [--threads T] [--steps N]``
 
 Chapter 1 (notebooks/01_single_device_training.ipynb). FLOPs per token are
-6N + 12 L h s (``minitrain.train_step.flops_per_token``); MFU is that times tokens/s over
+6N + 12 L h s (``minitrain.step.flops_per_token``); MFU is that times tokens/s over
 the peak. The default peak is this course machine's CPU per thread (AMD EPYC Zen 4: two
 256-bit FMA pipes = 32 fp32 FLOPs/cycle at 3.7 GHz = 118.4 GFLOP/s); pass your device's.
 A large matmul is timed too: the share of the peak reachable at all. Medians of N steps.
@@ -18,9 +18,9 @@ import time
 import torch
 
 from minitrain.data import MarkovChainData
-from minitrain.launch import get_device
 from minitrain.model import GPT, GPTConfig
-from minitrain.train_step import flops_per_token, mfu, train_step
+from minitrain.runtime import get_device
+from minitrain.step import flops_per_token, mfu, train_step
 
 CONFIGS = [  # (name, config, batch)
     ("tiny", GPTConfig(), 32),

@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from minitrain.launch import launch
+from minitrain.runtime import launch
 
 LOCAL, EP = "local, 1 process", "EP-2 (ExpertParallelMoE)"
 SIZE = dict(tokens=2048, d_model=256, d_ff=1024, num_experts=8, top_k=2)

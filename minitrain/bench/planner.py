@@ -18,11 +18,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from minitrain.cost_model import fit_alpha_beta
-from minitrain.launch import launch
+from minitrain.collectives.cost_model import fit_alpha_beta
 from minitrain.model import GPTConfig
 from minitrain.planner import Cluster, Layout, plan, step_time
-from minitrain.train_step import flops_per_token
+from minitrain.runtime import launch
+from minitrain.step import flops_per_token
 
 CONFIG = GPTConfig(vocab_size=128, seq_len=64, n_layer=4, n_head=4, d_model=128)
 BATCH, PEAK = 16, 118.4e9  # per core (see bench mfu)

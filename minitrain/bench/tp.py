@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from minitrain.launch import launch
+from minitrain.runtime import launch
 
 DENSE, TP, DP = "dense, 1 process", "TP-2 (tensor_parallel)", "DP-2 (minitrain.ddp)"
 MODEL = dict(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=256)  # 3.3 M parameters

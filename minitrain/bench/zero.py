@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from minitrain.launch import launch
+from minitrain.runtime import launch
 
 DP = "DP (minitrain.ddp)"
 VARIANTS = {

@@ -2,7 +2,7 @@
 
 Used by ``ring.py`` (chapter 4's exercises), the naive and recursive-doubling all-reduces of
 ``algorithms.py``, and, through ``minitrain.collectives`` (which re-exports every public name
-here), ``minitrain.cost_model`` and
+here), ``minitrain.collectives.cost_model`` and
 notebooks/04_collectives_and_data_parallel.ipynb (it prints ``exchange``). Here:
 
 * the byte counter (``bytes_sent`` / ``reset_bytes_sent``): every send below adds to it, so

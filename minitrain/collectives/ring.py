@@ -22,7 +22,7 @@ from minitrain.collectives.exchange import chunk_sizes, exchange, scratch_buffer
 # flat_view under the name the exercises were written with (their text, the generated stubs
 # and notebook 04's printout say ``_flat``)
 from minitrain.collectives.exchange import flat_view as _flat
-from minitrain.point_to_point import ring_neighbours
+from minitrain.runtime.point_to_point import ring_neighbours
 
 
 def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:

@@ -27,7 +27,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from minitrain import trace
 from minitrain.context_parallel.layout import check_divisible, num_chunks, rank_chunks
 from minitrain.context_parallel.ring import (
     causal_blocks,
@@ -36,7 +35,7 @@ from minitrain.context_parallel.ring import (
     ring_attention,
 )
 from minitrain.flash_attention.tiles import BLOCK_K, BLOCK_Q, blocks
-from minitrain.launch import launch
+from minitrain.runtime import launch, trace
 
 
 def ring_bytes(batch_heads, seq_len, head_dim, world_size, bytes_per_element=4) -> dict:

@@ -31,11 +31,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minitrain import trace
 from minitrain.context_parallel.layout import check_divisible, rank_chunks
 from minitrain.context_parallel.merge import merge_attention
 from minitrain.flash_attention import flash_attention_backward, flash_attention_forward
-from minitrain.point_to_point import ring_neighbours
+from minitrain.runtime import trace
+from minitrain.runtime.point_to_point import ring_neighbours
 
 KV_TAG, GRAD_TAG = 10, 11  # two exchanges can be in flight to the same neighbour at once
 _log: list[tuple[str, int]] = []
@@ -54,7 +54,7 @@ class Exchange:
     """Send ``tensor`` to the next rank and receive the previous rank's, started now.
 
     ``wait()`` blocks until both are done and returns the received tensor; the time from
-    start to wait is recorded in ``minitrain.trace`` as communication. With one rank the
+    start to wait is recorded in ``minitrain.runtime.trace`` as communication. With one rank the
     ring is a loop: the tensor is its own successor and nothing is sent.
     """
 

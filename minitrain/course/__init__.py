@@ -10,7 +10,7 @@ The top layer: it imports the techniques, nothing below imports it. Files by rol
 - ``exercise_regions.py``: the marked functions found in the library (``Exercise``);
 - ``exercise_files.py``: exercises/ and solutions/ rendered, built, checked, copied for learners;
 - ``patching.py``: a learner's functions put in place of the library's, in this process and
-  (through ``minitrain.launch.add_rank_initializer``) in every rank;
+  (through ``minitrain.runtime.add_rank_initializer``) in every rank;
 - ``grade.py``: ``python -m minitrain.grade [chapter]`` — the score table;
 - ``notebooks.py``: ``python -m minitrain.course.notebooks run`` — re-execute notebooks in place.
 """

@@ -63,7 +63,7 @@ BUG_HUNTS: list[BugHunt] = [
         "every micro-batch: the loss curve is perfect, the job is just k times chattier.",
         "Accumulating 4 micro-batches on 2 ranks gives exactly the right gradients, but the "
         "timeline shows an all-reduce after every micro-batch, and 4x the bytes of one step.",
-        "notebook 04's timeline (`launch(...).traces`, `minitrain.trace.plot_timeline`): count "
+        "notebook 04's timeline (`launch(...).traces`, `minitrain.runtime.trace.plot_timeline`): count "
         "the 'all-reduce bucket' spans per step; chapter 4's formula for the bytes of one step.",
     ),
     BugHunt(

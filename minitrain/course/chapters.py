@@ -17,10 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]  # the course repository
 
 # chapter -> (exercise file stem, modules whose marked functions it contains)
 CHAPTERS: dict[int, tuple[str, list[str]]] = {
-    0: ("ex00_point_to_point", ["minitrain.point_to_point"]),
+    0: ("ex00_point_to_point", ["minitrain.runtime.point_to_point"]),
     1: (
         "ex01_single_device",
-        ["minitrain.model", "minitrain.data", "minitrain.memory", "minitrain.train_step"],
+        ["minitrain.model", "minitrain.data", "minitrain.memory.formulas", "minitrain.step"],
     ),
     2: (
         "ex02_precision",

@@ -1,7 +1,7 @@
 """Grading: put the functions a learner wrote in place of the library's.
 
 Used by ``python -m minitrain.grade`` (through tests/grading/conftest.py). The same patches
-are made again in every rank ``minitrain.launch`` starts, through the launcher's general
+are made again in every rank ``minitrain.runtime`` starts, through the launcher's general
 hook ``add_rank_initializer`` (the runtime knows nothing of grading). Each
 function is re-bound to the *library module's* globals (``types.FunctionType(code,
 vars(module))``), so the learner's code can call the module's helpers and every caller
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from minitrain.course.bughunts import BUG_HUNTS, BugHunt
 from minitrain.course.exercises import CHAPTERS, Exercise, chapter_exercises
-from minitrain.launch import add_rank_initializer
+from minitrain.runtime import add_rank_initializer
 
 _active: str | None = None
 
@@ -39,7 +39,7 @@ def apply_patches(
     ``chapters``: only these chapters' files (default: every chapter). Returns the
     qualified names patched. A function missing from the learner's file is replaced by one
     that says so, so nothing is graded on the reference's behalf. ``in_every_rank``: also
-    make the same patches in every rank ``minitrain.launch`` starts from now on.
+    make the same patches in every rank ``minitrain.runtime`` starts from now on.
     """
     global _active
     folder = Path(folder).resolve()

@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minitrain import trace
 from minitrain.ddp.bucketing import assign_buckets  # noqa: F401 — importable from here too
 from minitrain.ddp.gradient_bucket import GradientBucket, make_buckets
 from minitrain.ddp.replicas import broadcast_from_first_rank, check_replicas_match
+from minitrain.runtime import trace
 
 VARIANTS = {
     "per-parameter, after backward": dict(bucket_cap_mb=0.0, overlap=False),

@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minitrain import collectives, trace
+from minitrain import collectives
 from minitrain.ddp.bucketing import assign_buckets
+from minitrain.runtime import trace
 
 
 class GradientBucket:

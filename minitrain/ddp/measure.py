@@ -14,8 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from minitrain import trace
-from minitrain.launch import launch
+from minitrain.runtime import launch, trace
 
 
 def hidden_communication_share(events: list[trace.Event]) -> float:

@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minitrain import trace
 from minitrain.ddp import broadcast_from_first_rank
 from minitrain.fsdp.clipping import clip_grad_norm_
+from minitrain.runtime import trace
 from minitrain.zero.accounting import count_sent
 from minitrain.zero.buffers import FlatUnit, all_gather_tensor, reduce_scatter_tensor, timed
 from minitrain.zero.mixed_precision import attach_master, cast_inputs, cast_rest

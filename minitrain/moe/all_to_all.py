@@ -22,7 +22,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from minitrain import trace
+from minitrain.runtime import trace
 
 # (name, bytes this rank sent to *other* ranks) since the last reset
 _log: list[tuple[str, int]] = []

@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minitrain import trace
 from minitrain.moe.all_to_all import all_to_all, check_splits, exchange_counts
 from minitrain.moe.dispatch import assignments, combine, sort_by_expert, unsort
 from minitrain.moe.layer import MoELayer
+from minitrain.runtime import trace
 
 
 class ExpertParallelMoE(nn.Module):

@@ -19,11 +19,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minitrain import trace
 from minitrain.moe.dispatch import assignments, combine, sort_by_expert, unsort
 from minitrain.moe.experts import Experts
 from minitrain.moe.losses import AuxLossInBackward
 from minitrain.moe.router import TopKRouter
+from minitrain.runtime import trace
 
 
 class MoELayer(nn.Module):

@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minitrain import trace
 from minitrain.data import get_batch
 from minitrain.model import GPT, GPTConfig
 from minitrain.moe.all_to_all import communication_log, reset_communication_log
 from minitrain.moe.apply import apply_moe, moe_layers, moe_training_loss
 from minitrain.moe.expert_parallel import ExpertParallelMoE
 from minitrain.moe.layer import MoELayer
+from minitrain.runtime import trace
 
 SMALL_GPT = dict(vocab_size=64, seq_len=32, n_layer=2, n_head=4, d_model=32)
 

@@ -43,11 +43,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minitrain import trace
 from minitrain.checkpointing import set_checkpointing
 from minitrain.pipeline.check import simulate
 from minitrain.pipeline.partition import StageChunk, split_blocks
 from minitrain.pipeline.schedules import make_schedule
+from minitrain.runtime import trace
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 HEADER = 8  # ints: ndim, dtype index, up to 6 sizes

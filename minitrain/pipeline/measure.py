@@ -2,7 +2,7 @@
 
 Chapter 7, notebooks/07_pipeline_parallel.ipynb (and its widget and ``python -m
 minitrain.bench pipeline``). ``run_pipelines`` launches p ranks once and runs several
-schedules on them, each traced with ``minitrain.trace``, returning per schedule the
+schedules on them, each traced with ``minitrain.runtime.trace``, returning per schedule the
 timelines, the measured bubble, the predicted one (``check.simulate``), and the peak bytes
 autograd held per stage (``minitrain.memory.LiveSavedBytes``) next to the in-flight formula.
 
@@ -24,12 +24,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minitrain import trace
-from minitrain.launch import launch
 from minitrain.memory import LiveSavedBytes, saved_activation_bytes
 from minitrain.pipeline.check import UNIT, chunk_costs, simulate
 from minitrain.pipeline.executor import PipelineStage
 from minitrain.pipeline.schedules import make_schedule
+from minitrain.runtime import launch, trace
 
 _overshoot = []
 

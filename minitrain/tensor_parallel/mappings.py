@@ -17,7 +17,7 @@ conjugate reduce-scatter forward / all-gather backward (after a row-parallel lay
 
 Every collective goes through ``all_reduce``, ``all_gather`` or ``reduce_scatter`` below,
 which log the *logical* message (gloo emulates some collectives; we count what the
-algorithm asks for) and record a "communication" span for minitrain.trace.
+algorithm asks for) and record a "communication" span for minitrain.runtime.trace.
 With one rank every operator is the identity and nothing is logged.
 """
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minitrain import trace
+from minitrain.runtime import trace
 
 SEQUENCE_DIM = 1  # the course's activations are (batch, sequence, hidden)
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from minitrain.launch import launch
 from minitrain.memory import saved_activation_bytes
+from minitrain.runtime import launch
 from minitrain.tensor_parallel import mappings
 
 LAYERS = ("embedding", "attention", "mlp", "head")
@@ -209,8 +209,8 @@ def _rank_measure(config_kwargs, batch, sequence_parallel):
     """On each rank: one block's collectives forward and backward, its saved bytes."""
     import torch.distributed as dist
 
-    from minitrain import trace
     from minitrain.model import GPT, GPTConfig
+    from minitrain.runtime import trace
     from minitrain.tensor_parallel import apply_tensor_parallel
 
     torch.manual_seed(0)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minitrain import trace
-from minitrain.launch import launch
+from minitrain.runtime import launch, trace
 
 
 def _ring_pass(numel: int, rounds: int):

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 
-from minitrain import trace
 from minitrain.ddp import assign_buckets, hidden_share_per_step, summarize_shares
+from minitrain.runtime import trace
 from minitrain.widgets import figure_png, offscreen_pyplot
 
 

@@ -161,7 +161,7 @@ def plot_stage3_timeline(traces, ax=None):
     """One training step of ZeRO-3 per rank: gathers (communication), block forward/backward
     (compute) and frees (memory). A block's gather overlapping the previous block's compute is
     the prefetch."""
-    from minitrain import trace
+    from minitrain.runtime import trace
 
     return trace.plot_timeline(
         traces, ax=ax, title="ZeRO-3: gather → compute → free, next block prefetched"

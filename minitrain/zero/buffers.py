@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minitrain import trace
+from minitrain.runtime import trace
 
 # torch 2.13 renamed the tensor collectives; older versions only have the second names
 reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

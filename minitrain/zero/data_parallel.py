@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minitrain import trace
 from minitrain.ddp import assign_buckets, broadcast_from_first_rank
+from minitrain.runtime import trace
 from minitrain.zero.accounting import count_sent, optimizer_state_tensors, storage_bytes
 from minitrain.zero.buffers import FlatUnit, all_gather_tensor, reduce_scatter_tensor
 from minitrain.zero.mixed_precision import attach_master, cast_inputs, cast_rest

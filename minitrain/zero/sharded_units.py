@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minitrain import trace
+from minitrain.runtime import trace
 from minitrain.zero.accounting import count_sent
 from minitrain.zero.buffers import all_gather_tensor, reduce_scatter_tensor, timed, wait_timed
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minitrain.launch import launch
+from minitrain.runtime import launch
 
 _COLLECTIVES = (
     "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather",
@@ -56,7 +56,7 @@ def _only_send_recv(exercise, calls):
 
 
 def _token_vs_all_reduce(shape):
-    from minitrain.point_to_point import pass_the_token
+    from minitrain.runtime.point_to_point import pass_the_token
 
     token = torch.arange(float(torch.tensor(shape).prod())).reshape(shape)
     before = token.clone()
@@ -90,7 +90,7 @@ def test_pass_the_token(world_size):
 
 
 def _broadcast_vs_torch(src, dtype):
-    from minitrain.point_to_point import broadcast
+    from minitrain.runtime.point_to_point import broadcast
 
     rank = dist.get_rank()
     mine = torch.full((5,), float(rank * 10 + 1), dtype=dtype)

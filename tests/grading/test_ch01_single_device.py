@@ -7,7 +7,7 @@ import torch
 
 import minitrain.memory as memory
 import minitrain.model as model_mod
-import minitrain.train_step as train_step_mod
+import minitrain.step as train_step_mod
 from minitrain.model import GPT, Block, GPTConfig
 
 PARAM_CONFIGS = [

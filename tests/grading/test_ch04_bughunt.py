@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minitrain.launch import launch
+from minitrain.runtime import launch
 
 MICRO, WORLD, ROWS = 4, 2, 8
 
@@ -29,8 +29,8 @@ def _batch(k):
 
 
 def _accumulate_ddp():
-    from minitrain import trace
     from minitrain.ddp import DataParallel
+    from minitrain.runtime import trace
 
     rank = dist.get_rank()
     model = _model()

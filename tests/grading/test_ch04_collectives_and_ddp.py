@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minitrain.launch import launch
+from minitrain.runtime import launch
 
 
 def _inputs(n, dtype):
@@ -177,8 +177,8 @@ def test_assign_buckets():
 
 
 def _train(kwargs, steps=4):
-    from minitrain import trace
     from minitrain.ddp import DataParallel
+    from minitrain.runtime import trace
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)

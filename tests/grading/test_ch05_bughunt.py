@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minitrain.launch import launch
+from minitrain.runtime import launch
 
 OVERFLOW_STEPS, STEPS, INIT_SCALE, GROWTH = (1, 3), 5, 2.0**10, 2
 

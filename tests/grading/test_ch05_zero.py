@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minitrain.launch import launch
+from minitrain.runtime import launch
 
 STEPS, BATCH, LR = 5, 12, 1e-2
 ATOL = 2e-6  # fp32 sums in another order (see tests/test_zero.py for the reasoning)

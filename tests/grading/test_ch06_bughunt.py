@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minitrain.launch import launch
 from minitrain.model import GPT, GPTConfig
+from minitrain.runtime import launch
 
 CONFIG = dict(vocab_size=64, seq_len=16, n_layer=1, n_head=4, d_model=32)
 ATOL, RTOL = 1e-6, 1e-5  # fp32, only the order of sums differs (see test_tensor_parallel.py)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from minitrain.launch import launch
+from minitrain.runtime import launch
 
 ATOL = 1e-6  # fp32 sums in another order: a few rounding steps on values of order 1
 NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-from minitrain.launch import launch
+from minitrain.runtime import launch
 
 SMALL = [(p, m, v) for p in (2, 3, 4) for m in range(1, p + 1) for v in (2, 3)]  # m <= p
 

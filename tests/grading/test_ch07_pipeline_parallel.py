@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from minitrain.launch import launch
+from minitrain.runtime import launch
 
 F, B, W = "F", "B", "W"
 

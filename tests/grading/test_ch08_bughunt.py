@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minitrain.launch import launch
+from minitrain.runtime import launch
 
 E, K, T, D = 4, 2, 12, 8
 

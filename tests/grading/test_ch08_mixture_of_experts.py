@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minitrain.launch import launch
+from minitrain.runtime import launch
 
 
 def _probs(T, E, seed):

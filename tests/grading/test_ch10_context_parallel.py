@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from minitrain.launch import launch
+from minitrain.runtime import launch
 
 ATOL = 2e-5  # fp32 softmax summed in pieces: a few rounding steps on values of order 1
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minitrain.launch import launch
 from minitrain.model import GPTConfig
+from minitrain.runtime import launch
 
 LAYOUTS = [dict(dp=2, tp=2, pp=2), dict(tp=2, pp=2, cp=2), dict(dp=3, tp=2), dict(dp=4, pp=2),
            dict(dp=2, tp=4, pp=3, cp=2)]

@@ -1,12 +1,12 @@
 """How the launcher's parent learns that a rank failed, died or hangs, and names the rank.
 
-Used by ``minitrain/launch.py`` (``launch`` waits for its ranks with ``wait_for_ranks``) and,
+Used by ``minitrain/runtime/launcher.py`` (``launch`` waits for its ranks with ``wait_for_ranks``) and,
 through it, by every multi-process notebook from 00_getting_started on: a mistake in a rank
 function is a ``LaunchError`` naming the rank, never a hang. Importable from
-``minitrain.launch`` as before (``from minitrain.launch import LaunchError``).
+``minitrain.runtime`` as before (``from minitrain.runtime import LaunchError``).
 
 Why this way: a rank that raises sends its traceback text (and what it printed) through its
-pipe (``minitrain.rank.rank_main``); one that dies sends nothing, so its process sentinel
+pipe (``minitrain.runtime.rank.rank_main``); one that dies sends nothing, so its process sentinel
 says so; one that is stuck past the timeout is asked for its Python stack (faulthandler
 on SIGUSR1, written to a file), so the error shows the collective or recv it waits in.
 """

@@ -92,7 +92,7 @@ def _best_time(fn, reps: int) -> float:
 def measure_ring_step(sizes: list[int], reps: int = 10) -> list[float]:
     """Run on every rank: best seconds for one ring step (send m bytes on, receive m) per size."""
     from minitrain.collectives import exchange
-    from minitrain.point_to_point import ring_neighbours
+    from minitrain.runtime.point_to_point import ring_neighbours
 
     prev_rank, next_rank = ring_neighbours()
     out = []

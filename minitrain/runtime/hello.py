@@ -2,13 +2,13 @@
 
 Used by notebook 00_getting_started and the README's "running on GPUs" section.
 
-    python -m minitrain.hello --world-size 4                       # minitrain.launch, this machine
-    torchrun --standalone --nproc-per-node=4 -m minitrain.hello    # torchrun, one node
+    python -m minitrain.runtime.hello --world-size 4                       # minitrain.runtime, this machine
+    torchrun --standalone --nproc-per-node=4 -m minitrain.runtime.hello    # torchrun, one node
     # two nodes (here both on 127.0.0.1; on a cluster use the first node's address):
     torchrun --nnodes=2 --nproc-per-node=2 --node-rank=0 --rdzv-backend=c10d \\
-        --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=hello -m minitrain.hello
+        --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=hello -m minitrain.runtime.hello
     torchrun --nnodes=2 --nproc-per-node=2 --node-rank=1 --rdzv-backend=c10d \\
-        --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=hello -m minitrain.hello
+        --rdzv-endpoint=127.0.0.1:29400 --rdzv-id=hello -m minitrain.runtime.hello
 
 Each rank all-reduces its rank number; every rank must see 0 + 1 + … + (N-1).
 """
@@ -22,7 +22,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from minitrain.launch import get_device, run, running_under_torchrun
+from minitrain.runtime import get_device, run, running_under_torchrun
 
 
 def hello() -> dict:
@@ -44,7 +44,7 @@ def hello() -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m minitrain.hello",
+        prog="python -m minitrain.runtime.hello",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

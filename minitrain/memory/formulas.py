@@ -15,18 +15,11 @@ al. 2020, "ZeRO", section 3):
 
 Files: this one has the predictions (the bytes-per-parameter table, ``estimate_training_memory``,
 ``block_activation_bytes``, ``model_activation_bytes``); measuring (``saved_activation_bytes``,
-``LiveSavedBytes``, ``memory_timeline``) is ``minitrain/memory_measure.py``. Every name is
-importable from here.
+``LiveSavedBytes``, ``memory_timeline``) is ``minitrain/memory/measure.py``. Every name of
+both is importable from ``minitrain.memory``.
 """
 
 from __future__ import annotations
-
-# measuring lives in its own file; re-exported so ``from minitrain.memory import ...`` still works
-from minitrain.memory_measure import (  # noqa: F401 — part of this module's API
-    LiveSavedBytes,
-    memory_timeline,
-    saved_activation_bytes,
-)
 
 # ------------------------------------------------------------------ bytes per parameter
 # The one table of training-state bytes per parameter, with Adam (chapters 1, 2 and 5 read it).

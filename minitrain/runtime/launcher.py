@@ -8,13 +8,13 @@ Used by every multi-process notebook from 00_getting_started on. Two ways in:
 * ``torchrun --nproc-per-node=N script.py`` (one or several nodes): the
   environment already says who is who, so ``init_from_env()`` initialises the
   process group and the same rank function runs unchanged (see
-  ``minitrain/hello.py``).
+  ``minitrain/runtime/hello.py``).
 
 Why it is built this way (facts measured on a 2-core CPU machine, torch 2.13):
 
 * Functions defined in a notebook cell cannot be pickled by reference, so ``fn``
   travels as cloudpickle bytes to a module-level entry point
-  (``minitrain.rank.rank_main``, the worker's side).
+  (``minitrain.runtime.rank.rank_main``, the worker's side).
 * Workers come from a *forkserver* that has already imported torch: a warm launch
   costs ~0.1 s instead of the ~3 s of *spawn*, and, unlike plain *fork*, it never
   inherits a notebook kernel's thread pools (which deadlocks children).
@@ -37,8 +37,8 @@ import torch
 import torch.distributed as dist
 
 # waiting for the ranks and naming the one that failed: its own file (launch_errors.py)
-from minitrain.launch_errors import LaunchError, wait_for_ranks  # noqa: F401 — API too
-from minitrain.rank import (  # noqa: F401 — part of this module's API too
+from minitrain.runtime.launch_errors import LaunchError, wait_for_ranks  # noqa: F401 — API too
+from minitrain.runtime.rank import (  # noqa: F401 — part of this module's API too
     HOST,
     default_backend,
     get_device,
@@ -47,13 +47,13 @@ from minitrain.rank import (  # noqa: F401 — part of this module's API too
     running_under_torchrun,
 )
 
-_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "minitrain.launch", "minitrain.rank"]
+_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "minitrain.runtime.launcher", "minitrain.runtime.rank"]
 
 
 class RankResults(list):
     """The per-rank return values (a plain list, rank order) plus what was measured.
 
-    ``.traces[r]`` is rank r's list of ``minitrain.trace.Event``; ``.output[r]``
+    ``.traces[r]`` is rank r's list of ``minitrain.runtime.trace.Event``; ``.output[r]``
     the text rank r printed.
     """
 

@@ -1,6 +1,6 @@
 """One rank's side of a distributed run: its backend, its device, and what it runs.
 
-Used by minitrain.launch (which re-exports these names) and by every chapter's rank
+Used by minitrain.runtime (which re-exports these names) and by every chapter's rank
 functions through ``get_device()``. A rank joins the default process group either from
 ``launch`` (``rank_main``: the store address, rank and world size come from the parent)
 or from ``torchrun``'s environment (``init_from_env``), then runs the same function.
@@ -21,7 +21,7 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from minitrain import trace
+from minitrain.runtime import trace
 
 HOST = "127.0.0.1"
 
@@ -58,7 +58,7 @@ def init_from_env(backend: str | None = None) -> tuple[int, int]:
     if missing:
         raise RuntimeError(
             f"init_from_env: environment variables {missing} are not set — start the script "
-            "with torchrun, or call minitrain.launch.launch(fn, world_size) instead"
+            "with torchrun, or call minitrain.runtime.launch(fn, world_size) instead"
         )
     backend = backend or default_backend()
     if "nccl" in backend:

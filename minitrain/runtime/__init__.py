@@ -1,0 +1,33 @@
+"""The distributed runtime (layer 1 of docs/design.md's three): starting ranks and what a rank
+sees. It knows nothing of techniques, exercises or grading; everything above imports it.
+
+Notebook 00 teaches it; every multi-process chapter uses it.
+
+- ``launcher.py``: ``launch(fn, world_size, ...)`` from a notebook, a test or a script;
+- ``rank.py``: a rank's side (``init_from_env`` under torchrun, ``get_device``, the backend);
+- ``launch_errors.py``: waiting for ranks and naming the one that failed (``LaunchError``);
+- ``point_to_point.py``: send/recv helpers (chapter 0's exercises);
+- ``trace.py``: per-rank timelines of compute and communication;
+- ``hello.py``: ``python -m minitrain.runtime.hello``, the smallest multi-rank program.
+"""
+
+from minitrain.runtime.launch_errors import LaunchError
+from minitrain.runtime.launcher import RankResults, add_rank_initializer, launch, run
+from minitrain.runtime.rank import (
+    default_backend,
+    get_device,
+    init_from_env,
+    running_under_torchrun,
+)
+
+__all__ = [
+    "LaunchError",
+    "RankResults",
+    "add_rank_initializer",
+    "default_backend",
+    "get_device",
+    "init_from_env",
+    "launch",
+    "run",
+    "running_under_torchrun",
+]
