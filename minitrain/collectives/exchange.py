@@ -5,8 +5,9 @@ Used by ``ring.py`` (chapter 4's exercises), the naive and recursive-doubling al
 here), ``minitrain.collectives.cost_model`` and
 notebooks/04_collectives_and_data_parallel.ipynb (it prints ``exchange``). Here:
 
-* the byte counter (``bytes_sent`` / ``reset_bytes_sent``): every send below adds to it, so
-  the notebook can compare what a rank sent with the formulas of ``minitrain.collectives``;
+* the bytes sent (``bytes_sent`` / ``reset_bytes_sent``): every send below is recorded in the
+  runtime's one communication log (source "collectives"), so the notebook can compare what a
+  rank sent with the formulas of ``minitrain.collectives``;
 * ``exchange``, the simultaneous send + receive a ring step is made of, and the blocking
   ``send_counted`` / ``recv_nonempty`` the naive and recursive-doubling algorithms use;
 * the chunk layout (``chunk_sizes``: ``tensor_split``'s) and the scratch buffers the ring
@@ -21,17 +22,22 @@ import threading
 import torch
 import torch.distributed as dist
 
-_bytes_sent = 0
+from minitrain.runtime.communication_log import COMMUNICATION_LOG
+
+SOURCE = "collectives"  # this package's records in the communication log
 
 
 def bytes_sent() -> int:
     """Bytes this process has sent through minitrain.collectives' algorithms since the last reset."""
-    return _bytes_sent
+    return COMMUNICATION_LOG.bytes_sent(SOURCE)
 
 
 def reset_bytes_sent() -> None:
-    global _bytes_sent
-    _bytes_sent = 0
+    COMMUNICATION_LOG.reset(SOURCE)
+
+
+def _count(tensor: torch.Tensor) -> None:
+    COMMUNICATION_LOG.record(SOURCE, "send", tensor.numel() * tensor.element_size())
 
 
 def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group=None) -> None:
@@ -42,13 +48,12 @@ def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group=N
     two directions of a link work at the same time. Empty tensors are not sent at all:
     both ends know the chunk sizes, so they skip the same messages.
     """
-    global _bytes_sent
     requests = []
     if recv.numel():
         requests.append(dist.irecv(recv, src, group=group))
     if send.numel():
         requests.append(dist.isend(send, dst, group=group))
-        _bytes_sent += send.numel() * send.element_size()
+        _count(send)
     for request in requests:
         request.wait()
 
@@ -71,10 +76,9 @@ def scratch_buffers(numel: int, like: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def send_counted(tensor: torch.Tensor, dst: int, group=None) -> None:
-    global _bytes_sent
     if tensor.numel():
         dist.send(tensor, dst, group=group)
-        _bytes_sent += tensor.numel() * tensor.element_size()
+        _count(tensor)
 
 
 def recv_nonempty(tensor: torch.Tensor, src: int, group=None) -> None:

@@ -8,9 +8,11 @@ Notebook 00 teaches it; every multi-process chapter uses it.
 - ``launch_errors.py``: waiting for ranks and naming the one that failed (``LaunchError``);
 - ``point_to_point.py``: send/recv helpers (chapter 0's exercises);
 - ``trace.py``: per-rank timelines of compute and communication;
+- ``communication_log.py``: the one log of what every technique sent (``COMMUNICATION_LOG``);
 - ``hello.py``: ``python -m minitrain.runtime.hello``, the smallest multi-rank program.
 """
 
+from minitrain.runtime.communication_log import COMMUNICATION_LOG, CommunicationLog, Message
 from minitrain.runtime.launch_errors import LaunchError
 from minitrain.runtime.launcher import RankResults, add_rank_initializer, launch, run
 from minitrain.runtime.rank import (
@@ -21,6 +23,9 @@ from minitrain.runtime.rank import (
 )
 
 __all__ = [
+    "COMMUNICATION_LOG",
+    "CommunicationLog",
+    "Message",
     "LaunchError",
     "RankResults",
     "add_rank_initializer",
