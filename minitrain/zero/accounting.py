@@ -12,27 +12,32 @@ import torch
 from torch import nn
 
 from minitrain.memory import BYTES_PER_PARAMETER
+from minitrain.runtime.communication_log import COMMUNICATION_LOG
 
 # --------------------------------------------------------------------------- accounting
-_SENT = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
+SOURCE = "zero"  # ZeRO's and FSDP's records in the runtime's communication log
+KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 
 
 def count_sent(kind: str, buffer_bytes: int, world: int) -> None:
     """Bytes this rank sends for one collective on a buffer of ``buffer_bytes`` (the *full*
     buffer: reduce-scatter's input, all-gather's output), with the ring algorithms: each
     rank forwards every chunk but one, (N-1)/N of the buffer; all-reduce does that twice."""
+    if kind not in KINDS:
+        raise ValueError(f"count_sent: unknown collective {kind!r}; one of {KINDS}")
     share = buffer_bytes * (world - 1) // world
-    _SENT[kind] += 2 * share if kind == "all_reduce" else share
+    sent = 2 * share if kind == "all_reduce" else share
+    COMMUNICATION_LOG.record(SOURCE, kind, sent, buffer_bytes, world)
 
 
 def bytes_sent() -> dict:
     """Bytes this rank sent since ``reset_bytes_sent()``, per collective and in "total"."""
-    return {**_SENT, "total": sum(_SENT.values())}
+    sent = {kind: COMMUNICATION_LOG.bytes_sent(SOURCE, kind) for kind in KINDS}
+    return {**sent, "total": sum(sent.values())}
 
 
 def reset_bytes_sent() -> None:
-    for k in _SENT:
-        _SENT[k] = 0
+    COMMUNICATION_LOG.reset(SOURCE)
 
 
 def memory_formula(
