@@ -23,17 +23,18 @@ import torch
 import torch.distributed as dist
 
 from minitrain.runtime import trace
+from minitrain.runtime.communication_log import COMMUNICATION_LOG
 
-# (name, bytes this rank sent to *other* ranks) since the last reset
-_log: list[tuple[str, int]] = []
+SOURCE = "moe"  # expert parallelism's records in the runtime's communication log
 
 
 def communication_log() -> list[tuple[str, int]]:
-    return list(_log)
+    """(name, bytes this rank sent to *other* ranks) of each all-to-all since the last reset."""
+    return [(r.kind, r.sent_bytes) for r in COMMUNICATION_LOG.records(SOURCE)]
 
 
 def reset_communication_log() -> None:
-    _log.clear()
+    COMMUNICATION_LOG.reset(SOURCE)
 
 
 def exchange_counts(send_counts: torch.Tensor, group=None) -> torch.Tensor:
@@ -71,7 +72,9 @@ def _all_to_all(x: torch.Tensor, out_splits, in_splits, group, name: str) -> tor
                                input_split_sizes=list(in_splits), group=group)
     row_bytes = math.prod(x.shape[1:]) * x.element_size()
     # logical bytes: the rows sent to *other* ranks (a rank's own block never leaves it)
-    _log.append((name, row_bytes * (sum(in_splits) - in_splits[dist.get_rank(group)])))
+    COMMUNICATION_LOG.record(
+        SOURCE, name, row_bytes * (sum(in_splits) - in_splits[dist.get_rank(group)]),
+        row_bytes * sum(in_splits), dist.get_world_size(group))
     return out
 
 
