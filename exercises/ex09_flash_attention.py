@@ -18,10 +18,10 @@ def online_softmax_update(m, row_sum, acc, s, v):
     """Fold one tile of scores into the running softmax of its rows (Dao 2023, Alg. 1 l. 8-10).
 
     m, row_sum: (..., bq) running max and running sum of exp(score - m); acc: (..., bq, D) the
-    running sum of exp(score - m) @ v; s: (..., bq, bk) this tile's scaled scores (fp32,
-    masked entries -inf); v: (..., bk, D). Returns the new (m, row_sum, acc). When the max grows,
-    everything accumulated so far was relative to the old max and is rescaled by
-    exp(m_old - m_new).
+    running sum of exp(score - m) @ v, all in the accumulation dtype (fp32, fp64 for fp64
+    inputs); s: (..., bq, bk) this tile's scaled scores (in that dtype, masked entries -inf);
+    v: (..., bk, D). Returns the new (m, row_sum, acc). When the max grows, everything
+    accumulated so far was relative to the old max and is rescaled by exp(m_old - m_new).
     """
     # HINT: m_new = max(m, row max of s); p = exp(s - m_new); alpha = exp(m - m_new)
     # HINT: row_sum and acc are sums relative to the old max: multiply them by alpha before adding
@@ -31,14 +31,17 @@ def online_softmax_update(m, row_sum, acc, s, v):
 def forward_query_block(q_i, k, v, i0: int, causal: bool, block_k: int = BLOCK_K, log=None):
     """One query block's output and logsumexp: loop over key blocks (FA-2's inner loop; on a
     GPU one program per query block runs this). q_i: (..., bq, D) starting at row i0;
-    k, v: (..., Nk, D). Returns out_i (..., bq, D) in fp32 and lse_i (..., bq).
+    k, v: (..., Nk, D). Returns out_i (..., bq, D) and lse_i (..., bq) in the accumulation
+    dtype ``torch.promote_types(q_i.dtype, torch.float32)`` (fp32; fp64 for fp64 inputs).
 
-    Start from m = -inf, row_sum = 0, acc = 0; for each visible key block compute the scaled
-    scores q_i k_j^T / sqrt(D) (fp32), put -inf where ``causal_mask`` says, fold them in with
-    ``online_softmax_update``; at the end out_i = acc / row_sum and lse_i = m + log(row_sum).
+    Start from m = -inf, row_sum = 0, acc = 0 (in that dtype); for each visible key block
+    compute the scaled scores q_i k_j^T / sqrt(D) (in that dtype), put -inf where
+    ``causal_mask`` says, fold them in with ``online_softmax_update``; at the end
+    out_i = acc / row_sum and lse_i = m + log(row_sum).
     """
     scale = 1.0 / math.sqrt(q_i.shape[-1])
     i1 = i0 + q_i.shape[-2]
+    acc_dtype = torch.promote_types(q_i.dtype, torch.float32)  # bf16/fp16 -> fp32, fp64 stays
     # HINT: visible_key_blocks(i0, i1, k, block_k, causal, log) gives the tiles
     # HINT: the mask of a tile comes from causal_mask(i0, i1, j0, j1); fill those scores with -inf
     raise NotImplementedError("exercise: write forward_query_block (see its docstring)")
@@ -52,11 +55,13 @@ def block_backward(q_i, k_j, v_j, do_i, lse_i, delta_i, mask=None):
         dV_j = P^T dO_i,   dP = dO_i V_j^T,   dS = P * (dP - D_i)
         dQ_i = dS k_j / sqrt(D),   dK_j = dS^T q_i / sqrt(D)
 
-    with D_i = rowsum(dO_i * O_i) (``delta_i``). Returns (dq_i, dk_j, dv_j) in fp32, shaped
+    with D_i = rowsum(dO_i * O_i) (``delta_i``). Returns (dq_i, dk_j, dv_j) in the accumulation
+    dtype ``torch.promote_types(q_i.dtype, torch.float32)`` (fp32; fp64 for fp64 inputs), shaped
     like q_i, k_j, v_j broadcast against each other (a GQA group's heads not yet summed).
     """
     scale = 1.0 / math.sqrt(q_i.shape[-1])
+    acc_dtype = torch.promote_types(q_i.dtype, torch.float32)  # bf16/fp16 -> fp32, fp64 stays
     # HINT: dS = P * (dP - D_i) is the softmax's backward: D_i = sum_j P_ij dP_ij
     raise NotImplementedError("exercise: write block_backward (see its docstring)")
 
-# minitrain-exercises-hash: ba491d68698f9e26
+# minitrain-exercises-hash: 6cc5318e2a7372e3

@@ -552,6 +552,90 @@ MUTATIONS = [
         'f"with budget_bytes={budget} the fewest "',
         ["tests/test_wrong_answer_messages.py::test_the_grader_says_what_went_wrong[ch3-choose_segments]"],
     ),
+    # issue 26: accumulation dtypes (low precision up to fp32, fp64 stays fp64)
+    Mutation(
+        "issue 26: pipeline loss broadcast in the model's dtype into an fp32 buffer",
+        "minitrain/pipeline/executor.py",
+        "        ref = next(self.parameters())  # every stage holds at least one block\n"
+        "        dtype, last = torch.promote_types(ref.dtype, torch.float32), self.num_stages - 1\n"
+        "        loss = torch.zeros((), dtype=torch.float64, device=ref.device)\n"
+        "        if self.stage == last:\n"
+        "            loss = torch.stack(state.losses).to(dtype).mean().double()  # exact: fp32 or fp64\n"
+        "        if self.num_stages > 1:  # every stage returns the loss\n"
+        "            dist.broadcast(loss, self._rank_of(last), self.group)\n"
+        "        loss = loss.to(dtype)\n",
+        "        last = self.num_stages - 1\n"
+        "        loss = torch.stack(state.losses).mean() if self.stage == last else torch.zeros(())\n"
+        "        if self.num_stages > 1:  # every stage returns the loss\n"
+        "            dist.broadcast(loss, self._rank_of(last), self.group)\n",
+        ["tests/test_wide_dtypes.py::test_pipeline_returns_the_same_loss_on_every_stage_in_any_dtype"],
+    ),
+    Mutation(
+        "issue 26: pipeline loss averaged over the micro-batches in the model's dtype",
+        "minitrain/pipeline/executor.py",
+        "loss = torch.stack(state.losses).to(dtype).mean().double()",
+        "loss = torch.stack(state.losses).mean().double()",
+        ["tests/test_wide_dtypes.py::test_pipeline_returns_the_same_loss_on_every_stage_in_any_dtype"],
+    ),
+    Mutation(
+        "issue 26: vocab-parallel cross-entropy upcast with .float()",
+        "minitrain/tensor_parallel/cross_entropy.py",
+        "z = logits_shard.to(torch.promote_types(logits_shard.dtype, torch.float32))",
+        "z = logits_shard.float()",
+        ["tests/test_wide_dtypes.py::test_tensor_parallel_float64_equals_dense"],
+    ),
+    Mutation(
+        "issue 26: FlashAttention tile scores upcast with .float()",
+        "minitrain/flash_attention/tiles.py",
+        "        k_j, v_j = k[..., j0:j1, :], v[..., j0:j1, :]\n"
+        "        s = (q_i @ k_j.transpose(-2, -1)).to(acc_dtype) * scale\n",
+        "        k_j, v_j = k[..., j0:j1, :], v[..., j0:j1, :]\n"
+        "        s = (q_i @ k_j.transpose(-2, -1)).float() * scale\n",
+        ["tests/test_wide_dtypes.py::test_flash_attention_float64_equals_sdpa",
+         "tests/test_wide_dtypes.py::test_ring_attention_and_context_parallel_gpt_float64_equal_one_process"],
+    ),
+    Mutation(
+        "issue 26: FlashAttention backward's D = rowsum(dO * O) in fp32",
+        "minitrain/flash_attention/tiles.py",
+        "delta = (do.to(acc) * o.to(acc)).sum(dim=-1)",
+        "delta = (do.float() * o.float()).sum(dim=-1)",
+        ["tests/test_wide_dtypes.py::test_flash_attention_float64_equals_sdpa"],
+    ),
+    Mutation(
+        "issue 26: ring attention merge weights in fp32",
+        "minitrain/context_parallel/merge.py",
+        "w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)",
+        "w_a, w_b = torch.exp(lse_a - m).float(), torch.exp(lse_b - m).float()",
+        ["tests/test_wide_dtypes.py::test_ring_attention_and_context_parallel_gpt_float64_equal_one_process"],
+    ),
+    Mutation(
+        "issue 26: context-parallel average loss summed in bf16",
+        "minitrain/context_parallel/model.py",
+        "value = loss.detach().to(torch.promote_types(loss.dtype, torch.float32), copy=True)",
+        "value = loss.detach().clone()",
+        ["tests/test_wide_dtypes.py::test_ring_attention_and_context_parallel_gpt_float64_equal_one_process"],
+    ),
+    Mutation(
+        "issue 26: MoE router logits upcast with .float()",
+        "minitrain/moe/router.py",
+        "logits = logits.to(torch.promote_types(logits.dtype, torch.float32))",
+        "logits = logits.float()",
+        ["tests/test_wide_dtypes.py::test_moe_router_keeps_float64"],
+    ),
+    Mutation(
+        "issue 26: FSDP clip_grad_norm_ sums the squares in fp32",
+        "minitrain/fsdp/clipping.py",
+        "acc = torch.promote_types(ref.dtype, torch.float32)",
+        "acc = torch.float32",
+        ["tests/test_wide_dtypes.py::test_fsdp_clip_grad_norm_float64_equals_torch"],
+    ),
+    Mutation(
+        "issue 26: Triton kernels take float64 and compute it in fp32",
+        "minitrain/flash_attention/triton_kernels.py",
+        "if torch.float64 in (q.dtype, k.dtype, v.dtype):",
+        "if False:",
+        ["tests/test_wide_dtypes.py::test_triton_kernels_refuse_float64_instead_of_rounding_it"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

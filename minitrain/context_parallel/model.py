@@ -72,7 +72,8 @@ class ContextParallelGPT(nn.Module):
         return lm_loss(self(idx), targets)
 
     def average_loss(self, loss: torch.Tensor) -> float:
-        value = loss.detach().clone()
+        # summed in fp32 or wider (a bf16 sum over the ranks would round), fp64 stays fp64
+        value = loss.detach().to(torch.promote_types(loss.dtype, torch.float32), copy=True)
         dist.all_reduce(value, group=self.group)
         return value.item() / self.world_size
 

@@ -11,9 +11,11 @@ Shapes: q (..., Nq, D), k and v (..., Nk, D). Grouped-query attention (Ainslie e
 2023): with q (B, Hq, N, D) and k, v (B, Hkv, N, D), each group of Hq / Hkv query heads
 shares one k/v head — done by broadcasting, never by copying k and v.
 
-Precision: scores, the running max/sum and the accumulators are fp32 whatever the input
-dtype (as the CUDA kernels keep them in fp32 registers); the matmul inputs keep their
-dtype. ``scaled_dot_product_attention`` is the tests' oracle and is never called here.
+Precision: scores, the running max/sum and the accumulators are in
+``torch.promote_types(dtype, torch.float32)``: fp32 for bf16/fp16/fp32 inputs (as the CUDA
+kernels keep them in fp32 registers), fp64 for fp64 inputs (never silently fp32); the
+matmul inputs keep their dtype. ``scaled_dot_product_attention`` is the tests' oracle and
+is never called here.
 
 Public: ``flash_attention_forward(q, k, v, causal) -> (out, lse)`` and
 ``flash_attention_backward(q, k, v, out, lse, grad_out, causal) -> (dq, dk, dv)``. The
@@ -84,10 +86,10 @@ def online_softmax_update(m, row_sum, acc, s, v):
     """Fold one tile of scores into the running softmax of its rows (Dao 2023, Alg. 1 l. 8-10).
 
     m, row_sum: (..., bq) running max and running sum of exp(score - m); acc: (..., bq, D) the
-    running sum of exp(score - m) @ v; s: (..., bq, bk) this tile's scaled scores (fp32,
-    masked entries -inf); v: (..., bk, D). Returns the new (m, row_sum, acc). When the max grows,
-    everything accumulated so far was relative to the old max and is rescaled by
-    exp(m_old - m_new).
+    running sum of exp(score - m) @ v, all in the accumulation dtype (fp32, fp64 for fp64
+    inputs); s: (..., bq, bk) this tile's scaled scores (in that dtype, masked entries -inf);
+    v: (..., bk, D). Returns the new (m, row_sum, acc). When the max grows, everything
+    accumulated so far was relative to the old max and is rescaled by exp(m_old - m_new).
     """
     ### BEGIN SOLUTION
     # HINT: m_new = max(m, row max of s); p = exp(s - m_new); alpha = exp(m - m_new)
@@ -96,7 +98,7 @@ def online_softmax_update(m, row_sum, acc, s, v):
     p = torch.exp(s - m_new[..., None])
     alpha = torch.exp(m - m_new)  # exp(-inf) = 0 on the first tile: nothing to rescale yet
     sum_new = alpha * row_sum + p.sum(dim=-1)
-    acc_new = alpha[..., None] * acc + (p.to(v.dtype) @ v).float()
+    acc_new = alpha[..., None] * acc + (p.to(v.dtype) @ v).to(acc.dtype)
     return m_new, sum_new, acc_new
     ### END SOLUTION
 
@@ -104,23 +106,26 @@ def online_softmax_update(m, row_sum, acc, s, v):
 def forward_query_block(q_i, k, v, i0: int, causal: bool, block_k: int = BLOCK_K, log=None):
     """One query block's output and logsumexp: loop over key blocks (FA-2's inner loop; on a
     GPU one program per query block runs this). q_i: (..., bq, D) starting at row i0;
-    k, v: (..., Nk, D). Returns out_i (..., bq, D) in fp32 and lse_i (..., bq).
+    k, v: (..., Nk, D). Returns out_i (..., bq, D) and lse_i (..., bq) in the accumulation
+    dtype ``torch.promote_types(q_i.dtype, torch.float32)`` (fp32; fp64 for fp64 inputs).
 
-    Start from m = -inf, row_sum = 0, acc = 0; for each visible key block compute the scaled
-    scores q_i k_j^T / sqrt(D) (fp32), put -inf where ``causal_mask`` says, fold them in with
-    ``online_softmax_update``; at the end out_i = acc / row_sum and lse_i = m + log(row_sum).
+    Start from m = -inf, row_sum = 0, acc = 0 (in that dtype); for each visible key block
+    compute the scaled scores q_i k_j^T / sqrt(D) (in that dtype), put -inf where
+    ``causal_mask`` says, fold them in with ``online_softmax_update``; at the end
+    out_i = acc / row_sum and lse_i = m + log(row_sum).
     """
     scale = 1.0 / math.sqrt(q_i.shape[-1])
     i1 = i0 + q_i.shape[-2]
+    acc_dtype = torch.promote_types(q_i.dtype, torch.float32)  # bf16/fp16 -> fp32, fp64 stays
     ### BEGIN SOLUTION
     # HINT: visible_key_blocks(i0, i1, k, block_k, causal, log) gives the tiles
     # HINT: the mask of a tile comes from causal_mask(i0, i1, j0, j1); fill those scores with -inf
-    m = torch.full(q_i.shape[:-1], -math.inf, device=q_i.device)
-    row_sum = torch.zeros(q_i.shape[:-1], device=q_i.device)
-    acc = torch.zeros(q_i.shape, device=q_i.device)
+    m = torch.full(q_i.shape[:-1], -math.inf, dtype=acc_dtype, device=q_i.device)
+    row_sum = torch.zeros(q_i.shape[:-1], dtype=acc_dtype, device=q_i.device)
+    acc = torch.zeros(q_i.shape, dtype=acc_dtype, device=q_i.device)
     for j0, j1 in visible_key_blocks(i0, i1, k, block_k, causal, log):
         k_j, v_j = k[..., j0:j1, :], v[..., j0:j1, :]
-        s = (q_i @ k_j.transpose(-2, -1)).float() * scale
+        s = (q_i @ k_j.transpose(-2, -1)).to(acc_dtype) * scale
         mask = causal_mask(i0, i1, j0, j1, q_i.device) if causal else None
         if mask is not None:
             s = s.masked_fill(mask, -math.inf)
@@ -137,21 +142,23 @@ def block_backward(q_i, k_j, v_j, do_i, lse_i, delta_i, mask=None):
         dV_j = P^T dO_i,   dP = dO_i V_j^T,   dS = P * (dP - D_i)
         dQ_i = dS k_j / sqrt(D),   dK_j = dS^T q_i / sqrt(D)
 
-    with D_i = rowsum(dO_i * O_i) (``delta_i``). Returns (dq_i, dk_j, dv_j) in fp32, shaped
+    with D_i = rowsum(dO_i * O_i) (``delta_i``). Returns (dq_i, dk_j, dv_j) in the accumulation
+    dtype ``torch.promote_types(q_i.dtype, torch.float32)`` (fp32; fp64 for fp64 inputs), shaped
     like q_i, k_j, v_j broadcast against each other (a GQA group's heads not yet summed).
     """
     scale = 1.0 / math.sqrt(q_i.shape[-1])
+    acc_dtype = torch.promote_types(q_i.dtype, torch.float32)  # bf16/fp16 -> fp32, fp64 stays
     ### BEGIN SOLUTION
     # HINT: dS = P * (dP - D_i) is the softmax's backward: D_i = sum_j P_ij dP_ij
-    s = (q_i @ k_j.transpose(-2, -1)).float() * scale
+    s = (q_i @ k_j.transpose(-2, -1)).to(acc_dtype) * scale
     p = torch.exp(s - lse_i[..., None])
     if mask is not None:
         p = p.masked_fill(mask, 0.0)
-    dv_j = (p.to(do_i.dtype).transpose(-2, -1) @ do_i).float()
-    dp = (do_i @ v_j.transpose(-2, -1)).float()
+    dv_j = (p.to(do_i.dtype).transpose(-2, -1) @ do_i).to(acc_dtype)
+    dp = (do_i @ v_j.transpose(-2, -1)).to(acc_dtype)
     ds = p * (dp - delta_i[..., None])
-    dq_i = (ds.to(k_j.dtype) @ k_j).float() * scale
-    dk_j = (ds.to(q_i.dtype).transpose(-2, -1) @ q_i).float() * scale
+    dq_i = (ds.to(k_j.dtype) @ k_j).to(acc_dtype) * scale
+    dk_j = (ds.to(q_i.dtype).transpose(-2, -1) @ q_i).to(acc_dtype) * scale
     return dq_i, dk_j, dv_j
     ### END SOLUTION
 
@@ -176,7 +183,8 @@ def group_heads(q, k, v):
 
 def flash_attention_forward(q, k, v, causal: bool = False, block_q: int = BLOCK_Q,
                             block_k: int = BLOCK_K, log: TileLog | None = None):
-    """Tiled attention forward: ``(out, lse)``, out like q (q's dtype), lse (..., Nq) fp32.
+    """Tiled attention forward: ``(out, lse)``, out like q (q's dtype), lse (..., Nq) in
+    ``torch.promote_types(q.dtype, torch.float32)`` (fp32; fp64 for fp64 inputs).
 
     Outer loop over query blocks (each independent: one GPU program each), reading q_i once
     and writing out_i and lse_i once; the inner loop ``forward_query_block``. q and k may
@@ -184,7 +192,8 @@ def flash_attention_forward(q, k, v, causal: bool = False, block_q: int = BLOCK_
     """
     qg, kg, vg, groups = group_heads(q, k, v)
     out = torch.empty(qg.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(qg.shape[:-1], dtype=torch.float32, device=q.device)
+    acc = torch.promote_types(q.dtype, torch.float32)  # bf16/fp16 -> fp32, fp64 stays fp64
+    lse = torch.empty(qg.shape[:-1], dtype=acc, device=q.device)
     for i0, i1 in blocks(q.shape[-2], block_q):
         q_i = qg[..., i0:i1, :]
         o_i, lse_i = forward_query_block(q_i, kg, vg, i0, causal, block_k, log)
@@ -204,20 +213,22 @@ def flash_attention_backward(q, k, v, out, lse, grad_out, causal: bool = False,
     one block of a larger attention (ring attention), so the result is that block's exact
     contribution. Outer loop over key blocks: dK_j and dV_j accumulate in "SRAM" and are
     written once; dQ_i is read-modified-written per tile in an fp32 buffer (on a GPU: atomic
-    adds, or a second pass by query block as minitrain's Triton kernel does).
+    adds, or a second pass by query block as minitrain's Triton kernel does). Accumulators
+    are ``torch.promote_types(q.dtype, torch.float32)``: fp32, fp64 for fp64 inputs.
     """
     qg, kg, vg, groups = group_heads(q, k, v)
+    acc = torch.promote_types(q.dtype, torch.float32)  # bf16/fp16 -> fp32, fp64 stays fp64
     do, o = grad_out.reshape(qg.shape), out.reshape(qg.shape)
-    lse = lse.reshape(qg.shape[:-1]).float()
-    delta = (do.float() * o.float()).sum(dim=-1)  # D_i = rowsum(dO_i * O_i), fp32
-    dq = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)
+    lse = lse.reshape(qg.shape[:-1]).to(acc)
+    delta = (do.to(acc) * o.to(acc)).sum(dim=-1)  # D_i = rowsum(dO_i * O_i)
+    dq = torch.zeros(qg.shape, dtype=acc, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     nq, nk = q.shape[-2], k.shape[-2]
     for j0, j1 in blocks(nk, block_k):
         k_j, v_j = kg[..., j0:j1, :], vg[..., j0:j1, :]
-        # fp32 accumulators, one per query head (summed over a GQA group at the end)
-        dk_j = torch.zeros(*qg.shape[:-2], j1 - j0, k.shape[-1], device=q.device)
+        # fp32 (fp64) accumulators, one per query head (summed over a GQA group at the end)
+        dk_j = torch.zeros(*qg.shape[:-2], j1 - j0, k.shape[-1], dtype=acc, device=q.device)
         dv_j = torch.zeros_like(dk_j)
         for i0, i1 in blocks(nq, block_q):
             if causal and j0 > i1 - 1:  # fully masked tile: nothing flows back through it

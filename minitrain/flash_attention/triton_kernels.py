@@ -213,6 +213,10 @@ class FlashAttentionTritonFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal=False):
+        if torch.float64 in (q.dtype, k.dtype, v.dtype):  # refused, not silently rounded
+            raise TypeError("FlashAttentionTritonFunction accumulates in fp32 registers, so "
+                            "float64 inputs would get fp32 accuracy; use FlashAttentionFunction "
+                            "(the PyTorch tiles accumulate fp64 inputs in fp64)")
         qf, kf, vf, groups = _as_heads(q, k, v)
         out = torch.empty_like(qf)
         lse = torch.empty(qf.shape[:-1], dtype=torch.float32, device=q.device)

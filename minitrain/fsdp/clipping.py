@@ -21,14 +21,15 @@ def clip_grad_norm_(fsdp, max_norm: float, norm_type: float = 2.0) -> torch.Tens
         raise ValueError(f"clip_grad_norm_: only norm_type=2.0 is supported, got {norm_type!r}")
     units = [u for u in fsdp.live_units() if u.master.grad is not None]
     ref = fsdp.live_units()[0].master
-    square = torch.zeros((), dtype=torch.float32, device=ref.device)
+    acc = torch.promote_types(ref.dtype, torch.float32)  # bf16/fp16 -> fp32, fp64 stays fp64
+    square = torch.zeros((), dtype=acc, device=ref.device)
     for u in units:
         if not u.keep_full:
-            square += u.master.grad.float().pow(2).sum()
+            square += u.master.grad.to(acc).pow(2).sum()
     dist.all_reduce(square, group=fsdp.group)  # the slices of every rank
     for u in units:
         if u.keep_full:
-            square += u.master.grad.float().pow(2).sum()  # whole on every rank: once
+            square += u.master.grad.to(acc).pow(2).sum()  # whole on every rank: once
     total = square.sqrt()
     # torch.nn.utils.clip_grad_norm_'s rule: the 1e-6 keeps a zero norm finite
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -121,7 +121,9 @@ class TopKRouter(nn.Module):
         return {**self.__dict__, "aux_loss": torch.zeros(())}
 
     def forward(self, x: torch.Tensor) -> Routing:
-        logits = self.gate(x).float()  # routing in fp32 (Fedus et al. 2021, section 2.4)
+        # routing in fp32 (Fedus et al. 2021, section 2.4) or wider: fp64 stays fp64
+        logits = self.gate(x)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         probs = torch.softmax(logits, dim=-1)
         capacity = expert_capacity(x.shape[0], self.num_experts, self.top_k,
                                    self.capacity_factor)

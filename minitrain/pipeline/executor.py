@@ -25,7 +25,8 @@ Public API (what later chapters compose with):
   ``(p, m)`` / ``(p, m, v)`` returning it. It is checked (``check.simulate``) on every rank
   before anything runs, so a deadlocking schedule raises on all ranks instead of hanging.
 - returns the mean loss over the micro-batches (= ``model.loss`` on the whole batch), a
-  0-dim tensor on *every* stage; gradients are accumulated in the stage's parameters (call
+  0-dim tensor on *every* stage, in the model's dtype promoted with fp32 (bf16/fp16: fp32);
+  gradients are accumulated in the stage's parameters (call
   ``zero_grad`` yourself). With ``dp_group``, the gradients are averaged over it once, after
   the last micro-batch (one all-reduce of one flat buffer).
 
@@ -225,10 +226,17 @@ class PipelineStage(nn.Module):
             run_action(self, action, state)
         for work, _ in state.sends:
             work.wait()
-        last = self.num_stages - 1
-        loss = torch.stack(state.losses).mean() if self.stage == last else torch.zeros(())
+        # the mean in the model's dtype promoted with fp32 (bf16/fp16 up, fp64 stays), sent as
+        # float64 so every stage posts the same broadcast whatever its dtype (a bf16 loss sent
+        # into an fp32 buffer read 2e-41 on the other stages; an fp64 one aborted gloo)
+        ref = next(self.parameters())  # every stage holds at least one block
+        dtype, last = torch.promote_types(ref.dtype, torch.float32), self.num_stages - 1
+        loss = torch.zeros((), dtype=torch.float64, device=ref.device)
+        if self.stage == last:
+            loss = torch.stack(state.losses).to(dtype).mean().double()  # exact: fp32 or fp64
         if self.num_stages > 1:  # every stage returns the loss
             dist.broadcast(loss, self._rank_of(last), self.group)
+        loss = loss.to(dtype)
         if dp_group is not None:
             average_gradients(self.parameters(), dp_group)
         return loss

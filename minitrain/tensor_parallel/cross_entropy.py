@@ -12,6 +12,10 @@ three numbers per token instead:
 
 loss_i = log(sum_j exp(z_ij - m_i)) - (z_i,target - m_i). Backward is written by hand:
 d loss / d z = (softmax(z) - onehot(target)) / N, each rank computing its own columns.
+
+Precision: computed in ``torch.promote_types(dtype, torch.float32)`` — bf16/fp16 logits go
+up to fp32 (exp and the sum over the vocabulary need its range and digits), fp64 stays fp64
+(an fp64 model gets fp64 accuracy, not fp32's 1e-7).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         # HINT: from the rank whose slice holds it (0 elsewhere), all_reduce. Save what backward needs.
         rank, _ = group_rank_and_size(group)
         v_local = logits_shard.shape[-1]
-        z = logits_shard.float()
+        z = logits_shard.to(torch.promote_types(logits_shard.dtype, torch.float32))
         m = all_reduce(z.max(dim=-1).values, group, dist.ReduceOp.MAX)
         shifted = z - m.unsqueeze(-1)
         exp = shifted.exp()
