@@ -33,6 +33,7 @@ from minitrain.mesh import DeviceMesh, check_layout
 from minitrain.model import GPT, GPTConfig, lm_loss
 from minitrain.pipeline import PipelineStage
 from minitrain.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
+from minitrain.tensor_parallel.random import load_rng_state_dict, rng_state_dict
 from minitrain.zero import ShardedOptimizer, ZeroDataParallel
 
 
@@ -141,7 +142,8 @@ class ParallelGPT:
 
     def state(self) -> dict:
         """What a checkpoint must hold to continue bit-exactly: weights, optimizer, RNG."""
-        out = {"model": self.model.state_dict(), "rng": torch.get_rng_state()}
+        out = {"model": self.model.state_dict(), "rng": torch.get_rng_state(),
+               "tp_rng": rng_state_dict(self.model)}  # TP dropout's per-rank streams
         if isinstance(self.wrapped, ZeroDataParallel):  # its shards and its inner optimizer
             out["shards"] = [u.master.detach().clone() for u in self.wrapped.live_units()]
             out["optimizer"] = self.wrapped.optimizer.state_dict()
@@ -161,6 +163,7 @@ class ParallelGPT:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["rng"])
+        load_rng_state_dict(self.model, state.get("tp_rng", {}))
 
 
 def full_layout(layout: dict) -> dict:

@@ -636,6 +636,56 @@ MUTATIONS = [
         "if False:",
         ["tests/test_wide_dtypes.py::test_triton_kernels_refuse_float64_instead_of_rounding_it"],
     ),
+    # issue 26: random streams under activation checkpointing and in the run checkpoint
+    Mutation(
+        "checkpoint: the recompute replays torch's generators only, not the modules' streams",
+        "minitrain/checkpointing/function.py",
+        "    if holders:\n        fn = _Replaying(fn, holders)\n",
+        "",
+        [
+            "tests/test_checkpointing.py::test_recompute_replays_the_streams_of_the_modules_it_runs",
+            "tests/test_tensor_parallel.py::test_checkpointing_policies_replay_the_tensor_parallel_dropout_streams",
+            "tests/test_pipeline.py::test_checkpointed_tensor_parallel_stages_replay_dropout",
+            "tests/test_moe.py::test_router_load_is_counted_once_under_checkpointing",
+        ],
+    ),
+    Mutation(
+        "checkpoint: the recompute leaves the streams where it ended, not where the caller was",
+        "minitrain/checkpointing/function.py",
+        "            for holder, state in zip(self.holders, live):\n                holder.set_state(state)\n",
+        "            pass\n",
+        [
+            "tests/test_checkpointing.py::test_recompute_replays_the_streams_of_the_modules_it_runs",
+            "tests/test_tensor_parallel.py::test_checkpointing_policies_replay_the_tensor_parallel_dropout_streams",
+        ],
+    ),
+    Mutation(
+        "TP dropout stream: a recompute under sequence parallelism forgets it ran inside the fork",
+        "minitrain/tensor_parallel/random.py",
+        "        self._inside = state[\"inside\"]\n",
+        "",
+        [
+            "tests/test_tensor_parallel.py::test_checkpointing_policies_replay_the_tensor_parallel_dropout_streams",
+            "tests/test_pipeline.py::test_checkpointed_tensor_parallel_stages_replay_dropout[tp+sp]",
+        ],
+    ),
+    Mutation(
+        "ParallelGPT.load_state: TP dropout's per-rank streams restart from the seed",
+        "minitrain/compose.py",
+        "        load_rng_state_dict(self.model, state.get(\"tp_rng\", {}))\n",
+        "",
+        [
+            "tests/test_tensor_parallel.py::test_tensor_parallel_dropout_resumes_bit_exactly[tp]",
+            "tests/test_tensor_parallel.py::test_tensor_parallel_dropout_resumes_bit_exactly[tp+sp]",
+        ],
+    ),
+    Mutation(
+        "MoE: the router's load counted again in the checkpoint's recompute",
+        "minitrain/moe/router.py",
+        "        self.observed_load.copy_(state[\"observed_load\"])\n",
+        "",
+        ["tests/test_moe.py::test_router_load_is_counted_once_under_checkpointing"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

@@ -17,6 +17,7 @@ from minitrain.checkpointing import (
     policy_extra_flops,
     policy_peak_bytes,
     policy_saved_bytes,
+    run_in_order,
     segment_sizes,
     sequential_peak_bytes,
     set_checkpointing,
@@ -380,3 +381,56 @@ def test_live_tracker_agrees_with_saved_activation_bytes(gpt):
         assert tracker.live == 0 and tracker.timeline[-1] == ("forward", 0)
         if policy == "full":  # recomputing one block goes above the end-of-forward level
             assert tracker.peak > at_end_of_forward
+
+
+# ----------------------------------------------------------------------------- other streams
+class OwnStream(nn.Module):
+    """Dropout drawing from the module's own generator (as tensor parallelism's per-rank
+    stream does, chapter 6): torch's default generator knows nothing of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8, dtype=torch.float64)
+        self.gen = torch.Generator().manual_seed(5)
+
+    def forward(self, x):
+        h = self.lin(x)
+        keep = torch.rand(h.shape, generator=self.gen, dtype=h.dtype) >= 0.5
+        return torch.tanh(h * keep * 2.0)
+
+
+def _own_stream_run(checkpointed):
+    torch.manual_seed(0)
+    layers = [OwnStream() for _ in range(3)]
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    results = []
+    for _ in range(2):  # the second step: the streams went on as if nothing was recomputed
+        for p in [x, *(q for m in layers for q in m.parameters())]:
+            p.grad = None
+        h = checkpoint_sequential(layers, 3, x) if checkpointed else run_in_order(layers)(x)
+        h = checkpoint(layers[0], h) if checkpointed else layers[0](h)  # a module as fn
+        h.square().sum().backward()
+        results.append([h.detach(), x.grad, *(q.grad for m in layers for q in m.parameters())])
+    return results, [m.gen.get_state() for m in layers]
+
+
+def test_recompute_replays_the_streams_of_the_modules_it_runs():
+    """Issue 26: the recompute replayed torch's generators only, so a module drawing from its
+    own stream got another mask in backward. Reference: the same layers without checkpoint."""
+    (plain, plain_streams), (ours, our_streams) = _own_stream_run(False), _own_stream_run(True)
+    for step, (want, got) in enumerate(zip(plain, ours)):
+        for i, (a, b) in enumerate(zip(want, got)):
+            err = (a - b).abs().max().item()
+            assert err <= 1e-12, f"step {step}, tensor {i}: checkpointed differs by {err}"
+    for a, b in zip(plain_streams, our_streams):
+        assert torch.equal(a, b), "the recompute must leave each stream where the forward left it"
+
+
+def test_forward_states_finds_holders_once():
+    from minitrain.checkpointing import forward_states
+
+    m = OwnStream()
+    shared = nn.Sequential(m, m)
+    shared.other = m.gen  # the same generator held twice
+    assert forward_states(shared, m) == [m.gen]
+    assert forward_states(lambda x: x) == []

@@ -419,3 +419,36 @@ def test_aux_loss_scale_weights_the_carried_gradient():
         ((explicit.loss(x, y) + moe_aux_loss(explicit)) / 2).backward()
     gate = model.blocks[0].mlp.router.gate.weight.grad
     torch.testing.assert_close(gate, explicit.blocks[0].mlp.router.gate.weight.grad)
+
+
+@pytest.mark.parametrize("policy,k", [("full", 1), ("segments", 2)])
+def test_router_load_is_counted_once_under_checkpointing(policy, k):
+    """Issue 26: the recompute ran the router again and counted its load a second time.
+    Reference: the same model and steps without checkpointing (two forward+backward, then a
+    bias update, then one more: the load and the bias it moves must be the plain run's)."""
+    import copy
+
+    from minitrain.checkpointing import set_checkpointing
+    from minitrain.data import get_batch
+    from minitrain.model import GPT, GPTConfig
+    from minitrain.moe import apply_moe, moe_layers
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=32, seq_len=8, n_layer=3, n_head=2, d_model=16, dropout=0.1)
+    plain = apply_moe(GPT(cfg), num_experts=4, top_k=2, balancing="bias", bias_update_rate=0.1)
+    ours = set_checkpointing(copy.deepcopy(plain), policy, k)
+    for model in (plain, ours):
+        torch.manual_seed(1)
+        for step in range(3):
+            x, y = get_batch(step, 4, vocab_size=32, seq_len=8)
+            model.loss(x, y).backward()
+            if step == 1:
+                for layer in moe_layers(model):
+                    layer.router.update_bias()
+    for i, (a, b) in enumerate(zip(moe_layers(plain), moe_layers(ours))):
+        assert a.router.observed_load.sum() > 0
+        torch.testing.assert_close(b.router.observed_load, a.router.observed_load, rtol=0, atol=0,
+                                   msg=f"layer {i}: checkpointed load differs from the plain run")
+        torch.testing.assert_close(b.router.expert_bias, a.router.expert_bias, rtol=0, atol=0)
+    for (name, a), b in zip(plain.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=f"{name}: checkpointed gradient differs")

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from toy_models import Toy, mse, toy_batch  # tests/ is on sys.path under pytest
 
-from minitrain.launch import launch
+from minitrain.runtime import launch
 
 TOL = 1e-9
 F64 = torch.float64

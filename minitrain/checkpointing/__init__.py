@@ -3,7 +3,8 @@
 Used by notebooks/03_activation_checkpointing.ipynb. Files by role:
 
 - ``function.py``: ``checkpoint(fn, *args)`` (a ``torch.autograd.Function`` that replays the
-  RNG, so dropout recomputes exactly) and ``checkpoint_sequential(layers, segments, x)``;
+  RNG — torch's generators and every stream the modules it runs hold, ``forward_states`` —
+  so dropout recomputes exactly) and ``checkpoint_sequential(layers, segments, x)``;
 - ``policies.py``: ``set_checkpointing(model, policy, k)`` on minitrain's GPT;
 - ``cost.py``: the formulas — bytes saved, recomputed FLOPs, peak memory, the best segments;
 - ``measure.py``: measuring each policy (used by the notebook, its widget and the benchmark).
@@ -23,6 +24,7 @@ from minitrain.checkpointing.function import (
     CheckpointFunction,
     checkpoint,
     checkpoint_sequential,
+    forward_states,
     get_rng_state,
     run_in_order,
     set_rng_state,
@@ -36,6 +38,7 @@ __all__ = [
     "checkpoint",
     "checkpoint_sequential",
     "choose_segments",
+    "forward_states",
     "get_rng_state",
     "policy_extra_flops",
     "policy_peak_bytes",

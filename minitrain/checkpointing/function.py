@@ -11,6 +11,14 @@ that is large in memory (a s^2 b per layer) but cheap in FLOPs ("selective").
 - ``checkpoint(fn, *args)``: one segment, as a ``torch.autograd.Function``;
 - ``checkpoint_sequential(layers, segments, x)``: a chain split into segments.
 
+A recompute must see what the forward saw: torch's generators (replayed by
+``CheckpointFunction``), and any other state the forward reads or advances — a tensor-parallel
+dropout stream (chapter 6), a router's load count (chapter 8). Such objects have
+``get_state()`` / ``set_state(state)``; ``forward_states(*modules)`` finds them, and
+``checkpoint(..., states=...)`` puts their forward-time state in place for the recompute and
+the live one back after it (Megatron-LM's CheckpointFunction does the same with its CUDA
+RNG tracker's streams). So the recompute draws the forward's masks and leaves no trace.
+
 The policies on minitrain's GPT are in policies.py, the formulas in cost.py.
 """
 
@@ -122,12 +130,53 @@ class CheckpointFunction(torch.autograd.Function):
         ### END SOLUTION
 
 
-def checkpoint(fn, *args, preserve_rng_state: bool = True):
+# ----------------------------------------------------------------------------- other state
+def forward_states(*modules) -> list:
+    """The objects besides torch's generators whose state a forward of ``modules`` reads or
+    advances: every module with ``get_state`` and ``set_state`` (a router counting its load)
+    and every such object a module holds as an attribute (a tensor-parallel dropout
+    stream); each once, in the order met."""
+    found = []
+    for module in modules:
+        for sub in module.modules() if isinstance(module, torch.nn.Module) else ():
+            for obj in (sub, *vars(sub).values()):
+                replayable = not isinstance(obj, type) and all(
+                    callable(getattr(obj, m, None)) for m in ("get_state", "set_state"))
+                if replayable and all(obj is not f for f in found):
+                    found.append(obj)
+    return found
+
+
+class _Replaying:
+    """fn, whose first call (the forward) notes the states of ``holders`` and whose later calls
+    (the recomputes in backward) run from those states, putting the live ones back after."""
+
+    def __init__(self, fn, holders):
+        self.fn, self.holders, self.forward_states = fn, holders, None
+
+    def __call__(self, *args):
+        if self.forward_states is None:  # the forward: remember where it starts
+            self.forward_states = [h.get_state() for h in self.holders]
+            return self.fn(*args)
+        live = [h.get_state() for h in self.holders]
+        for holder, state in zip(self.holders, self.forward_states):
+            holder.set_state(state)
+        try:
+            return self.fn(*args)
+        finally:  # the caller's streams and statistics continue as if nothing was recomputed
+            for holder, state in zip(self.holders, live):
+                holder.set_state(state)
+
+
+def checkpoint(fn, *args, preserve_rng_state: bool = True, states=None):
     """``fn(*args)``, keeping only the tensor arguments for backward (Chen et al. 2016).
 
     Gradients equal those of calling ``fn(*args)`` directly, dropout included (the RNG is
     replayed). As with torch's reentrant checkpoint, at least one tensor argument must
-    require grad, or parameters inside ``fn`` get no gradient.
+    require grad, or parameters inside ``fn`` get no gradient. ``states``: the objects with
+    ``get_state`` / ``set_state`` that fn's forward uses besides torch's generators (see
+    ``forward_states``), replayed in the recompute; None: ``forward_states(fn)`` if fn is a
+    module, else none.
     """
     if not callable(fn):
         raise TypeError(f"checkpoint needs a callable first argument, got {fn!r}")
@@ -138,6 +187,9 @@ def checkpoint(fn, *args, preserve_rng_state: bool = True):
             f"{getattr(fn, '__name__', fn)!r} will get a gradient",
             stacklevel=2,
         )
+    holders = forward_states(fn) if states is None else list(states)
+    if holders:
+        fn = _Replaying(fn, holders)
     return CheckpointFunction.apply(_with_autocast(fn, tensors), preserve_rng_state, *args)
 
 
@@ -182,7 +234,8 @@ def checkpoint_sequential(layers, segments: int, x: torch.Tensor) -> torch.Tenso
     layers = list(layers)
     start = 0
     for i, size in enumerate(segment_sizes(len(layers), segments)):
-        run = run_in_order(layers[start : start + size])
-        x = run(x) if i == segments - 1 else checkpoint(run, x)
+        chunk = layers[start : start + size]
+        run = run_in_order(chunk)
+        x = run(x) if i == segments - 1 else checkpoint(run, x, states=forward_states(*chunk))
         start += size
     return x

@@ -11,7 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from minitrain.checkpointing.cost import check_policy, segment_sizes
-from minitrain.checkpointing.function import checkpoint, run_in_order
+from minitrain.checkpointing.function import checkpoint, forward_states, run_in_order
 from minitrain.model import CausalSelfAttention
 
 
@@ -33,9 +33,11 @@ def _blocks_in_groups(model, sizes, last_checkpointed):
     def run_blocks(x):
         start = 0
         for i, size in enumerate(sizes):
-            run = run_in_order(blocks[start : start + size])
+            group = blocks[start : start + size]
+            run = run_in_order(group)
             plain = i == len(sizes) - 1 and not last_checkpointed
-            x = run(x) if plain else checkpoint(run, x)
+            # the blocks' dropout streams and router statistics: replayed in the recompute
+            x = run(x) if plain else checkpoint(run, x, states=forward_states(*group))
             start += size
         return x
 

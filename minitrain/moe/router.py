@@ -143,6 +143,20 @@ class TopKRouter(nn.Module):
                                                  minlength=self.num_experts).float()
         return routing
 
+    # Activation checkpointing (chapter 3) runs this forward again in backward: it puts this
+    # state back as the forward found it for the recompute and the live one after, so the
+    # recompute chooses with the forward's bias and its load is not counted a second time.
+    def get_state(self) -> dict:
+        """What a forward reads and updates besides the parameters: the selection bias and the
+        load counted since the last ``update_bias``."""
+        return {"expert_bias": self.expert_bias.clone(),
+                "observed_load": self.observed_load.clone()}
+
+    @torch.no_grad()
+    def set_state(self, state: dict) -> None:
+        self.expert_bias.copy_(state["expert_bias"])
+        self.observed_load.copy_(state["observed_load"])
+
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor | None = None) -> None:
         """DeepSeek-V3's update: b_i -= γ·sign(load_i − mean load); then forget the load.
