@@ -35,19 +35,20 @@ from minitrain.context_parallel.layout import check_divisible, rank_chunks
 from minitrain.context_parallel.merge import merge_attention
 from minitrain.flash_attention import flash_attention_backward, flash_attention_forward
 from minitrain.runtime import trace
+from minitrain.runtime.communication_log import COMMUNICATION_LOG
 from minitrain.runtime.point_to_point import ring_neighbours
 
 KV_TAG, GRAD_TAG = 10, 11  # two exchanges can be in flight to the same neighbour at once
-_log: list[tuple[str, int]] = []
+SOURCE = "cp"  # ring attention's records in the runtime's communication log
 
 
 def communication_log() -> list[tuple[str, int]]:
     """(what, bytes) for every tensor this process sent since the last reset."""
-    return list(_log)
+    return [(r.kind, r.sent_bytes) for r in COMMUNICATION_LOG.records(SOURCE)]
 
 
 def reset_communication_log() -> None:
-    _log.clear()
+    COMMUNICATION_LOG.reset(SOURCE)
 
 
 class Exchange:
@@ -68,7 +69,8 @@ class Exchange:
         self.received = torch.empty_like(self.sent)
         self.requests = [dist.isend(self.sent, next_rank, group=group, tag=tag),
                          dist.irecv(self.received, prev_rank, group=group, tag=tag)]
-        _log.append((what, self.sent.numel() * self.sent.element_size()))
+        nbytes = self.sent.numel() * self.sent.element_size()
+        COMMUNICATION_LOG.record(SOURCE, what, nbytes, nbytes, dist.get_world_size(group))
 
     def wait(self) -> torch.Tensor:
         """Block until sent and received; the in-flight time is traced as communication,
