@@ -280,7 +280,7 @@ def test_expert_parallel_skewed_and_over_capacity(P, k, capacity_factor):
 def _bad_counts_case():
     import torch.distributed as dist
 
-    import minitrain.moe.expert_parallel as ep_module
+    import minitrain.moe.dispatchers as ep_module
 
     real = ep_module.exchange_counts
 

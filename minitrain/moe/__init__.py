@@ -6,8 +6,10 @@ parallelism), Fedus et al. 2021 (Switch: top-1, capacity, the load-balancing los
 al. 2022 (ST-MoE: the router z-loss), DeepSeek-AI 2024 (DeepSeek-V3: balancing by a bias).
 Files by role: ``router.py`` (top-k, capacity, the bias), ``losses.py`` (load-balancing and
 z-loss), ``dispatch.py`` (sort by expert and its inverse), ``experts.py``, ``layer.py``
-(``MoELayer``), ``all_to_all.py`` (uneven differentiable all-to-all, split check),
-``expert_parallel.py`` (``ExpertParallelMoE``), ``apply.py`` (the GPT with MoE MLPs) and
+(``MoELayer``: a router, experts and a dispatcher), ``dispatchers.py`` (where the experts
+live: ``LocalDispatcher``, ``AllToAllDispatcher``), ``all_to_all.py`` (uneven differentiable
+all-to-all, split check), ``expert_parallel.py`` (``ExpertParallelMoE``: the layer with an
+all-to-all dispatcher), ``apply.py`` (the GPT with MoE MLPs) and
 ``measure.py`` (load, bytes, parameters, timelines).
 """
 
@@ -22,6 +24,7 @@ from minitrain.moe.apply import (
     set_aux_loss_scale,
 )
 from minitrain.moe.dispatch import sort_by_expert, unsort
+from minitrain.moe.dispatchers import AllToAllDispatcher, LocalDispatcher
 from minitrain.moe.expert_parallel import ExpertParallelMoE
 from minitrain.moe.experts import Experts
 from minitrain.moe.layer import MoELayer
@@ -29,6 +32,8 @@ from minitrain.moe.losses import load_balancing_loss, router_z_loss
 from minitrain.moe.router import Routing, TopKRouter, expert_capacity, top_k_routing
 
 __all__ = [
+    "AllToAllDispatcher",
+    "LocalDispatcher",
     "ExpertParallelMoE",
     "Experts",
     "MoELayer",

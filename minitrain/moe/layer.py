@@ -5,8 +5,9 @@ Shazeer et al. 2017 (sparsely-gated mixture of experts), with Switch's top-1 and
 (Fedus et al. 2021) and GShard's top-2 (Lepikhin et al. 2020). For T tokens:
 
     route:    indices, weights, keep = router(x)                 (T, k) each
-    dispatch: rows of the kept assignments, sorted by expert      (A, d), A ≤ T·k
-    experts:  expert e on its contiguous block of rows
+    sort:     rows of the kept assignments, sorted by expert      (A, d), A ≤ T·k
+    dispatch: the experts' outputs for those rows, wherever the experts live
+              (``dispatchers.py``: here, or over an all-to-all for expert parallelism)
     combine:  un-sort, y_t = Σ_kept weight · expert output        (T, d)
 
 A dropped token's output is 0, so in a block x + moe(ln(x)) it passes through the
@@ -20,6 +21,7 @@ import torch
 from torch import nn
 
 from minitrain.moe.dispatch import assignments, combine, sort_by_expert, unsort
+from minitrain.moe.dispatchers import LocalDispatcher
 from minitrain.moe.experts import Experts
 from minitrain.moe.losses import AuxLossInBackward
 from minitrain.moe.router import TopKRouter
@@ -27,9 +29,11 @@ from minitrain.runtime import trace
 
 
 class MoELayer(nn.Module):
-    """A mixture-of-experts feed-forward layer on one process.
+    """A mixture-of-experts feed-forward layer: a router, experts and a dispatcher.
 
-    ``capacity_factor=None`` drops nothing. Extra keywords go to ``TopKRouter``
+    ``capacity_factor=None`` drops nothing. ``router``, ``experts``, ``dispatcher`` (keyword
+    only): parts to use instead of new ones — ``ExpertParallelMoE.from_local`` builds the
+    layer from a local one's router, a share of its experts and an ``AllToAllDispatcher``. Extra keywords go to ``TopKRouter``
     (``balancing``, ``aux_loss_weight``, ``z_loss_weight``, ``bias_update_rate``).
     After a forward: ``aux_loss`` (the router's weighted auxiliary losses: the caller adds
     it to the loss) and ``last_routing`` (``router.Routing``: indices, weights, keep, probs,
@@ -42,11 +46,14 @@ class MoELayer(nn.Module):
     aux_loss_scale = 1.0
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int = 1,
-                 capacity_factor: float | None = None, **router_kwargs):
+                 capacity_factor: float | None = None, *, router: TopKRouter | None = None,
+                 experts: Experts | None = None, dispatcher=None, **router_kwargs):
         super().__init__()
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
-        self.router = TopKRouter(d_model, num_experts, top_k, capacity_factor, **router_kwargs)
-        self.experts = Experts(num_experts, d_model, d_ff)
+        self.router = router or TopKRouter(d_model, num_experts, top_k, capacity_factor,
+                                           **router_kwargs)
+        self.experts = experts or Experts(num_experts, d_model, d_ff)
+        self.dispatcher = dispatcher or LocalDispatcher()
         self.last_routing = None
 
     @property
@@ -63,9 +70,9 @@ class MoELayer(nn.Module):
         with trace.span("route", "compute"):
             routing = self.router(x)
             tokens, experts, weights = assignments(routing.indices, routing.weights, routing.keep)
+            # sorted by global expert = grouped by the rank holding it (experts are contiguous)
             rows, order, counts = sort_by_expert(x[tokens], experts, self.num_experts)
-        with trace.span("expert compute", "compute"):
-            out = self.experts(rows, counts.tolist())
+        out = self.dispatcher(rows, counts, self.experts)
         with trace.span("combine", "compute"):
             y = combine(unsort(out, order), tokens, weights, x.shape[0])
         self.last_routing = routing
