@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from minitrain.runtime import launch, summarize_step_times, trace
+from minitrain.runtime import launch, median_and_quartiles, summarize_step_times, trace
 
 
 def hidden_communication_share(events: list[trace.Event]) -> float:
@@ -60,9 +60,9 @@ def summarize_shares(shares: list[float]) -> dict:
     """
     if not shares:
         raise ValueError("summarize_shares needs at least one step")
-    q1, _, q3 = statistics.quantiles(shares, n=4, method="inclusive") if len(shares) > 1 else shares * 3
+    median, (q1, q3) = median_and_quartiles(shares, method="inclusive")
     return {
-        "median": statistics.median(shares),
+        "median": median,
         "q1": q1,
         "q3": q3,
         "min": min(shares),

@@ -21,10 +21,16 @@ def slowest_rank_times(per_rank: list[list[float]]) -> list[float]:
     return [max(step) for step in zip(*timed, strict=True)]
 
 
-def median_and_quartiles(times: list[float]) -> tuple[float, tuple[float, float]]:
-    """(median, (first quartile, third quartile)) of ``times``; one time is its own spread."""
-    spread = tuple(statistics.quantiles(times, n=4)[::2]) if len(times) > 1 else (times[0],) * 2
-    return statistics.median(times), spread
+def median_and_quartiles(
+    values: list[float], method: str = "exclusive"
+) -> tuple[float, tuple[float, float]]:
+    """(median, (first quartile, third quartile)) of ``values``; one value is its own spread.
+    ``method``: ``statistics.quantiles``'s ("inclusive" keeps the quartiles of shares within
+    the range of the values)."""
+    if len(values) == 1:
+        return values[0], (values[0], values[0])
+    q1, _, q3 = statistics.quantiles(values, n=4, method=method)
+    return statistics.median(values), (q1, q3)
 
 
 def summarize_step_times(per_rank: list[dict[str, list[float]]]) -> dict:
