@@ -12,13 +12,13 @@ Used by notebooks/04_collectives_and_data_parallel.ipynb and docs/ch04_collectiv
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
+from minitrain.bench import bench_parser
 from minitrain.runtime import launch
 
 KB, MB = 1024, 1024 * 1024
@@ -122,10 +122,7 @@ def report(results: dict[int, list[tuple]]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m minitrain.bench allreduce", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("--quick", action="store_true", help="fewer sizes and repetitions")
+    parser = bench_parser("allreduce", __doc__, quick="fewer sizes and repetitions")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     args = parser.parse_args(argv)
     if args.quick:

@@ -8,12 +8,11 @@ minitrain's full checkpointing timed against torch.utils.checkpoint, the referen
 
 from __future__ import annotations
 
-import argparse
 import copy
 
 import torch
 
-from minitrain.bench import print_table
+from minitrain.bench import bench_parser, print_table
 from minitrain.checkpointing import set_checkpointing
 from minitrain.checkpointing.measure import (
     POLICY_SET,
@@ -44,9 +43,7 @@ def torch_full_checkpointing(model):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m minitrain.bench checkpointing", description=__doc__.splitlines()[0]
-    )
+    parser = bench_parser("checkpointing", __doc__)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=32)

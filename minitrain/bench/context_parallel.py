@@ -17,8 +17,7 @@ What to expect: contiguous gives the last rank about P times the first rank's ca
 
 from __future__ import annotations
 
-import argparse
-
+from minitrain.bench import bench_parser
 from minitrain.context_parallel.measure import measure_ring, overlap_summary
 
 
@@ -27,8 +26,7 @@ def _row(label, values, fmt="{:,}"):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minitrain.bench context_parallel")
-    parser.add_argument("--quick", action="store_true", help="small sizes (seconds)")
+    parser = bench_parser("context_parallel", __doc__, quick="small sizes (seconds)")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)

@@ -13,9 +13,9 @@ The measuring itself is minitrain.ddp.measure's, which notebook 04 and its widge
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
+from minitrain.bench import bench_parser, step_time_header, step_time_row
 from minitrain.ddp.measure import (
     MODEL,
     QUICK_MODEL,
@@ -39,7 +39,7 @@ def all_variants() -> dict:
 def report(result: dict) -> str:
     base = result["step_time"][TORCH_DDP]
     lines = [
-        f"{'variant':<30} {'step (ms)':>9} {'vs torch DDP':>12} {'buckets':>7} "
+        f"{step_time_header(30, TORCH_DDP, spread=False)} {'buckets':>7} "
         f"{'comm hidden: median (quartiles)':>32}"
     ]
     for name, t in result["step_time"].items():
@@ -55,7 +55,7 @@ def report(result: dict) -> str:
                 f"{100 * st['median']:3.0f} % ({100 * st['q1']:3.0f}-{100 * st['q3']:3.0f} %, "
                 f"{st['steps']} steps)"
             )
-        lines.append(f"{name:<30} {t * 1e3:9.1f} {t / base:11.2f}x {buckets!s:>7} {hidden:>32}")
+        lines.append(f"{step_time_row(name, t, base, 30, TORCH_DDP)} {buckets!s:>7} {hidden:>32}")
     ratio = result["step_time"]["bucketed, overlapped"] / base
     lines.append(
         f"target bucketed <= 1.15x torch DDP: {'met' if ratio <= 1.15 else 'NOT met'} "
@@ -65,16 +65,12 @@ def report(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m minitrain.bench ddp", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("--quick", action="store_true", help="smaller model, fewer steps")
+    parser = bench_parser("ddp", __doc__, quick="smaller model, fewer steps", steps=(5, 15))
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--bucket-mb", type=float, default=1.0)
-    parser.add_argument("--steps", type=int, default=None)
     args = parser.parse_args(argv)
     config = QUICK_MODEL if args.quick else MODEL
-    steps = args.steps or (5 if args.quick else 15)
+    steps = args.steps
     result = measure(all_variants(), config, args.bucket_mb, steps, world=args.world)
     from minitrain.model import GPTConfig, gpt_num_params
 

@@ -11,12 +11,10 @@ minitrain.flash_attention.measure's.
 
 from __future__ import annotations
 
-import argparse
-
 import torch
 import torch.nn.functional as F
 
-from minitrain.bench import print_table
+from minitrain.bench import bench_parser, print_table
 from minitrain.flash_attention import flash_attention
 from minitrain.flash_attention.measure import forward_backward_seconds, saved_bytes
 from minitrain.memory import saved_activation_bytes
@@ -29,7 +27,7 @@ def sdpa(q, k, v, causal):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minitrain.bench flash")
+    parser = bench_parser("flash", __doc__)
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--naive-up-to", type=int, default=2048,

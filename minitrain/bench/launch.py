@@ -9,7 +9,6 @@ warm minitrain launch (forkserver already running) ≤ 0.3 s on a 2-core machine
 
 from __future__ import annotations
 
-import argparse
 import os
 import socket
 import statistics
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
+from minitrain.bench import bench_parser
 from minitrain.runtime import launch
 
 
@@ -49,7 +49,7 @@ def spawn_once(world_size: int) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minitrain.bench launch")
+    parser = bench_parser("launch", __doc__)
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--spawn-repeats", type=int, default=3, help="spawn is slow: fewer runs")

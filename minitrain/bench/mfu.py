@@ -11,12 +11,12 @@ A large matmul is timed too: the share of the peak reachable at all. Medians of 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
+from minitrain.bench import bench_parser
 from minitrain.data import MarkovChainData
 from minitrain.model import GPT, GPTConfig
 from minitrain.runtime import get_device
@@ -35,7 +35,7 @@ def _sync(device):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minitrain.bench mfu", description=__doc__)
+    parser = bench_parser("mfu", __doc__, steps=7)
     parser.add_argument(
         "--peak-gflops",
         type=float,
@@ -43,7 +43,6 @@ def main(argv=None) -> int:
         help="peak GFLOP/s per thread (CPU) or of the device (GPU)",
     )
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=7)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = get_device()

@@ -21,15 +21,14 @@ path; on GPUs, EP is how a model with more experts than fit on one device is tra
 
 from __future__ import annotations
 
-import argparse
 import copy
-import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from minitrain.runtime import launch
+from minitrain.bench import bench_parser, step_time_header, step_time_row
+from minitrain.runtime import launch, summarize_step_times
 
 LOCAL, EP = "local, 1 process", "EP-2 (ExpertParallelMoE)"
 SIZE = dict(tokens=2048, d_model=256, d_ff=1024, num_experts=8, top_k=2)
@@ -81,12 +80,8 @@ def measure(size=SIZE, steps: int = 10) -> dict:
     from minitrain.moe.measure import all_to_all_bytes_formula
 
     res = launch(_rank_measure, 2, size, steps, timeout=900)
-    slowest = {n: [max(r["times"][n][i] for r in res if r["times"][n]) for i in range(steps)]
-               for n in res[0]["times"]}
     return {
-        "step_time": {n: statistics.median(t) for n, t in slowest.items()},
-        "spread": {n: tuple(statistics.quantiles(t, n=4)[::2]) if len(t) > 1 else (t[0], t[0])
-                   for n, t in slowest.items()},
+        **summarize_step_times([r["times"] for r in res]),
         "sent": [r["sent"] for r in res],
         "formula": all_to_all_bytes_formula(res[0]["tokens"], size["top_k"], size["d_model"],
                                             4, 2),
@@ -95,11 +90,9 @@ def measure(size=SIZE, steps: int = 10) -> dict:
 
 def report(result: dict) -> str:
     base = result["step_time"][LOCAL]
-    lines = [f"{'variant':<26} {'step (ms)':>9} {'p25-p75 (ms)':>13} {'vs local':>8}"]
+    lines = [step_time_header(26, "local")]
     for name, t in result["step_time"].items():
-        lo, hi = result["spread"][name]
-        lines.append(f"{name:<26} {t * 1e3:9.1f} {f'{lo * 1e3:.1f}-{hi * 1e3:.1f}':>13} "
-                     f"{t / base:7.2f}x")
+        lines.append(step_time_row(name, t, base, 26, "local", result["spread"][name]))
     lines.append("")
     lines.append(f"all-to-all bytes per rank and step (formula T·k·d·4·(P−1)/P = "
                  f"{result['formula']:,.0f} each):")
@@ -110,13 +103,10 @@ def report(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minitrain.bench moe",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller layer, fewer steps")
-    parser.add_argument("--steps", type=int, default=None)
+    parser = bench_parser("moe", __doc__, quick="smaller layer, fewer steps", steps=(4, 10))
     args = parser.parse_args(argv)
     size = QUICK if args.quick else SIZE
-    steps = args.steps or (4 if args.quick else 10)
+    steps = args.steps
     print(f"MoE layer {size} (tokens: the global batch), AdamW, gloo, median of {steps} steps "
           "(each the slowest rank's)\n")
     print(report(measure(size, steps)))

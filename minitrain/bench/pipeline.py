@@ -16,8 +16,7 @@ Formulas: (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al. 2019; Narayanan et al. 
 
 from __future__ import annotations
 
-import argparse
-
+from minitrain.bench import bench_parser
 from minitrain.pipeline.measure import run_pipelines
 
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)]
@@ -28,8 +27,7 @@ def _label(name, v):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minitrain.bench pipeline")
-    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
+    parser = bench_parser("pipeline", __doc__, quick="smaller sizes, fewer repeats")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     repeats = 2 if args.quick else args.repeats

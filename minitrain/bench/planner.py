@@ -12,12 +12,12 @@ planner's choice next to Megatron-LM 2021's Table 1 and Llama 3 405B's layouts.
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 import torch.distributed as dist
 
+from minitrain.bench import bench_parser
 from minitrain.collectives.cost_model import fit_alpha_beta
 from minitrain.model import GPTConfig
 from minitrain.planner import Cluster, Layout, plan, step_time
@@ -59,8 +59,7 @@ def _step_times(layout, steps):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minitrain.bench planner", description=__doc__)
-    parser.add_argument("--steps", type=int, default=12)
+    parser = bench_parser("planner", __doc__, steps=12)
     parser.add_argument("--published", action="store_true")
     args = parser.parse_args(argv)
     # every layout measured first, one right after another (the load here drifts); the

@@ -21,15 +21,14 @@ matmuls are too small to gain from halving, so TP is the slowest here; on GPUs w
 
 from __future__ import annotations
 
-import argparse
 import copy
-import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from minitrain.runtime import launch
+from minitrain.bench import bench_parser, step_time_header, step_time_row
+from minitrain.runtime import launch, summarize_step_times
 
 DENSE, TP, DP = "dense, 1 process", "TP-2 (tensor_parallel)", "DP-2 (minitrain.ddp)"
 MODEL = dict(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=256)  # 3.3 M parameters
@@ -93,12 +92,8 @@ def measure(config=MODEL, steps: int = 10, batch: int = 8) -> dict:
     """{"step_time": {variant: median}, "spread": {variant: (q1, q3)}, "sent": TP's bytes
     per rank and step, "formula": formula_bytes(...)}."""
     res = launch(_rank_measure, 2, config, steps, batch, timeout=900)
-    slowest = {name: [max(r["times"][name][i] for r in res if r["times"][name])
-                      for i in range(steps)] for name in res[0]["times"]}
     return {
-        "step_time": {n: statistics.median(t) for n, t in slowest.items()},
-        "spread": {n: tuple(statistics.quantiles(t, n=4)[::2]) if len(t) > 1 else (t[0], t[0])
-                   for n, t in slowest.items()},
+        **summarize_step_times([r["times"] for r in res]),
         "sent": res[0]["sent"],
         "formula": formula_bytes(config, batch),
     }
@@ -108,23 +103,18 @@ def report(result: dict) -> str:
     base = result["step_time"][DENSE]
     sent = {DENSE: "0", TP: f"{result['sent']:,}", DP: "(not counted)"}
     formula = {DENSE: "0", TP: f"{result['formula']['TP']:,}", DP: f"{result['formula']['DP']:,}"}
-    lines = [f"{'variant':<24} {'step (ms)':>9} {'p25-p75 (ms)':>13} {'vs dense':>8} "
-             f"{'sent/step/rank (B)':>19} {'formula (B)':>12}"]
+    lines = [f"{step_time_header(24, 'dense')} {'sent/step/rank (B)':>19} {'formula (B)':>12}"]
     for name, t in result["step_time"].items():
-        lo, hi = result["spread"][name]
-        lines.append(f"{name:<24} {t * 1e3:9.1f} {f'{lo * 1e3:.1f}-{hi * 1e3:.1f}':>13} "
-                     f"{t / base:7.2f}x {sent[name]:>19} {formula[name]:>12}")
+        row = step_time_row(name, t, base, 24, "dense", result["spread"][name])
+        lines.append(f"{row} {sent[name]:>19} {formula[name]:>12}")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minitrain.bench tp",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smaller model, fewer steps")
-    parser.add_argument("--steps", type=int, default=None)
+    parser = bench_parser("tp", __doc__, quick="smaller model, fewer steps", steps=(4, 10))
     args = parser.parse_args(argv)
     config = QUICK_MODEL if args.quick else MODEL
-    steps = args.steps or (4 if args.quick else 10)
+    steps = args.steps
     from minitrain.model import GPTConfig, gpt_num_params
 
     n = gpt_num_params(GPTConfig(**config))

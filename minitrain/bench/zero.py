@@ -18,14 +18,13 @@ of PCIe transfers). ``measure`` is also what notebook 05 calls.
 
 from __future__ import annotations
 
-import argparse
-import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from minitrain.runtime import launch
+from minitrain.bench import bench_parser, step_time_header, step_time_row
+from minitrain.runtime import launch, summarize_step_times
 
 DP = "DP (minitrain.ddp)"
 VARIANTS = {
@@ -97,19 +96,8 @@ def measure(
     third quartiles}, "sent": {name: bytes rank 0 sent in one step}, "padded": {name: Ψ as
     stored, padding included}}."""
     res = launch(_rank_measure, world, variants, config, steps, batch, bucket_mb, timeout=900)
-    slowest = {
-        name: [max(r["times"][name][i] for r in res) for i in range(steps)] for name in variants
-    }
-    step_time = {name: statistics.median(t) for name, t in slowest.items()}
-    # the spread: first and third quartiles of the same per-step times (a slow moment of a
-    # shared machine moves the median little, the spread shows it happened)
-    spread = {
-        name: tuple(statistics.quantiles(t, n=4)[::2]) if len(t) > 1 else (t[0], t[0])
-        for name, t in slowest.items()
-    }
     return {
-        "step_time": step_time,
-        "spread": spread,
+        **summarize_step_times([r["times"] for r in res]),
         "sent": res[0]["sent"],
         "padded": res[0]["padded"],
         "world": world,
@@ -121,10 +109,7 @@ def report(result: dict, num_params: int) -> str:
     from minitrain.zero import communication_formula
 
     base, world = result["step_time"][DP], result["world"]
-    lines = [
-        f"{'variant':<18} {'step (ms)':>9} {'p25-p75 (ms)':>13} {'vs DP':>7} "
-        f"{'sent/step (bytes)':>18} {'formula':>12}"
-    ]
+    lines = [f"{step_time_header(18, 'DP')} {'sent/step (bytes)':>18} {'formula':>12}"]
     for name, t in result["step_time"].items():
         kw = VARIANTS.get(name) or {}
         stage = kw.get("stage", 3 if kw.get("fsdp") else 0)
@@ -134,24 +119,17 @@ def report(result: dict, num_params: int) -> str:
         formula = communication_formula(psi, world, stage)
         if kw.get("fsdp"):  # in bf16 the two gathers move 2-byte elements
             formula = fsdp_formula(psi, world, kw.get("compute_dtype"))["sent"]
-        lo, hi = result.get("spread", {}).get(name, (t, t))
-        spread = f"{lo * 1e3:.1f}-{hi * 1e3:.1f}"
-        lines.append(
-            f"{name:<18} {t * 1e3:9.1f} {spread:>13} {t / base:6.2f}x {sent:>18} {formula:>12,.0f}"
-        )
+        spread = result.get("spread", {}).get(name, (t, t))
+        lines.append(f"{step_time_row(name, t, base, 18, 'DP', spread)} {sent:>18} {formula:>12,.0f}")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m minitrain.bench zero", description=__doc__.split("\n\n")[0]
-    )
-    parser.add_argument("--quick", action="store_true", help="smaller model, fewer steps")
+    parser = bench_parser("zero", __doc__, quick="smaller model, fewer steps", steps=(4, 10))
     parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=None)
     args = parser.parse_args(argv)
     config = QUICK_MODEL if args.quick else MODEL
-    steps = args.steps or (4 if args.quick else 10)
+    steps = args.steps
     from minitrain.model import GPTConfig, gpt_num_params
 
     n = gpt_num_params(GPTConfig(**config))

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from minitrain.runtime import launch, trace
+from minitrain.runtime import launch, median_and_quartiles, summarize_step_times, trace
 
 
 def hidden_communication_share(events: list[trace.Event]) -> float:
@@ -60,9 +60,9 @@ def summarize_shares(shares: list[float]) -> dict:
     """
     if not shares:
         raise ValueError("summarize_shares needs at least one step")
-    q1, _, q3 = statistics.quantiles(shares, n=4, method="inclusive") if len(shares) > 1 else shares * 3
+    median, (q1, q3) = median_and_quartiles(shares, method="inclusive")
     return {
-        "median": statistics.median(shares),
+        "median": median,
         "q1": q1,
         "q3": q3,
         "min": min(shares),
@@ -133,7 +133,8 @@ def measure(
 ) -> dict:
     """Run the variants side by side on ``world`` ranks.
 
-    Returns {"step_time": {name: median over steps of the slowest rank's time},
+    Returns {"step_time": {name: median over steps of the slowest rank's time}, "spread":
+    {name: its first and third quartiles},
     "traces": {name: [events of rank r in its last step]}, "step_traces": {name: [[events of
     rank r in step i] for each step i]}, "hidden_shares": {name: [hidden share of step i]}
     (DataParallel variants only), "buckets": {name: count}}.
@@ -141,10 +142,7 @@ def measure(
     torch's DistributedDataParallel.
     """
     res = launch(_rank_measure, world, variants, config, bucket_mb, steps, batch, timeout=600)
-    step_time = {
-        name: statistics.median(max(r["times"][name][i] for r in res) for i in range(steps))
-        for name in variants
-    }
+    summary = summarize_step_times([r["times"] for r in res])
     step_traces = {
         name: [[r["events"][name][i] for r in res] for i in range(steps)] for name in variants
     }
@@ -153,7 +151,7 @@ def measure(
         name: hidden_share_per_step(step_traces[name]) for name in variants if name != TORCH_DDP
     }
     return {
-        "step_time": step_time,
+        **summary,
         "traces": traces,
         "step_traces": step_traces,
         "hidden_shares": shares,

@@ -9,6 +9,7 @@ Notebook 00 teaches it; every multi-process chapter uses it.
 - ``point_to_point.py``: send/recv helpers (chapter 0's exercises);
 - ``trace.py``: per-rank timelines of compute and communication;
 - ``communication_log.py``: the one log of what every technique sent (``COMMUNICATION_LOG``);
+- ``timing.py``: step times of several ranks summarised (the slowest rank's, median, quartiles);
 - ``hello.py``: ``python -m minitrain.runtime.hello``, the smallest multi-rank program.
 """
 
@@ -21,6 +22,7 @@ from minitrain.runtime.rank import (
     init_from_env,
     running_under_torchrun,
 )
+from minitrain.runtime.timing import median_and_quartiles, summarize_step_times
 
 __all__ = [
     "COMMUNICATION_LOG",
@@ -33,6 +35,8 @@ __all__ = [
     "get_device",
     "init_from_env",
     "launch",
+    "median_and_quartiles",
     "run",
     "running_under_torchrun",
+    "summarize_step_times",
 ]

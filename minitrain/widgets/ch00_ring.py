@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from minitrain.runtime import launch, trace
+from minitrain.widgets import live, plot_png
 
 
 def _ring_pass(numel: int, rounds: int):
@@ -52,7 +53,6 @@ def measure_ring_pass(world_size: int, numel: int, rounds: int = 2):
 def build_ring_widget(default_world_size: int = 4):
     """Sliders for ranks and message size → re-measured ring pass, drawn as a timeline."""
     import ipywidgets as w
-    import matplotlib.pyplot as plt
 
     ranks = w.IntSlider(value=default_world_size, min=1, max=4, description="ranks")
     size = w.Dropdown(
@@ -61,9 +61,9 @@ def build_ring_widget(default_world_size: int = 4):
         description="message",
     )
     status = w.HTML()  # the numbers in words (also what headless tests read)
-    out = w.Output()
+    image = w.Image(format="png")
 
-    def redraw(_=None):
+    def redraw():
         value, traces = measure_ring_pass(ranks.value, size.value)
         expected = 2 * ranks.value * (ranks.value + 1) // 2
         span = max(e.end for evs in traces for e in evs) - min(
@@ -73,15 +73,12 @@ def build_ring_widget(default_world_size: int = 4):
             f"{ranks.value} ranks, 2 rounds: token on rank 0 = {value:g} "
             f"(expected {expected}), {span * 1e3:.1f} ms"
         )
-        out.clear_output(wait=True)
-        with out:
-            fig, ax = plt.subplots(figsize=(9, 0.8 + 0.45 * ranks.value))
-            trace.plot_timeline(
+        image.value = plot_png(
+            lambda ax: trace.plot_timeline(
                 traces, ax=ax, title=f"token on rank 0: {value:g} (expected {expected})"
-            )
-            plt.show()
+            ),
+            figsize=(9, 0.8 + 0.45 * ranks.value),
+        )
 
-    ranks.observe(redraw, names="value")
-    size.observe(redraw, names="value")
-    redraw()
-    return w.VBox([w.HBox([ranks, size]), status, out])
+    live([ranks, size], redraw)
+    return w.VBox([w.HBox([ranks, size]), status, image])

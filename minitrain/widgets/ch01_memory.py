@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from minitrain.memory import estimate_training_memory, model_activation_bytes
 from minitrain.model import GPTConfig, gpt_num_params
+from minitrain.widgets import live, plot_png
 
 DEVICES_GB = {
     "8 GB (laptop)": 8,
@@ -85,7 +86,6 @@ def build_memory_widget(
     measurement, drawn as a marker when the sliders describe that model.
     """
     import ipywidgets as widgets
-    import matplotlib.pyplot as plt
 
     config = config or GPTConfig()
     style = {"description_width": "110px"}
@@ -126,9 +126,9 @@ def build_memory_widget(
         options=list(DEVICES_GB), value="80 GB (H100)", description="device", style=style
     )
     readout = widgets.HTML()
-    plot = widgets.Output()
+    image = widgets.Image(format="png")
 
-    def redraw(_=None):
+    def redraw():
         values = {name: w.value for name, w in controls.items()}
         if values["d_model"] % values["n_head"]:
             readout.value = (
@@ -144,9 +144,8 @@ def build_memory_widget(
             f"({'fits' if r['totals'][-1] <= device_bytes else 'does NOT fit'} "
             f"in {device.value})"
         )
-        with plot:
-            plot.clear_output(wait=True)
-            fig, ax = plt.subplots(figsize=(7, 3.5))
+
+        def draw(ax):
             xs = [str(b) for b in r["batch_sizes"]]
             bottom = [0.0] * len(xs)
             for part in PARTS:
@@ -169,11 +168,10 @@ def build_memory_widget(
             ax.set_ylabel(f"training memory ({unit})")
             ax.legend(fontsize=8)
             ax.set_title(f"training memory, {values['precision']}, Adam", loc="left")
-            plt.show()
 
-    for w in [*controls.values(), device]:
-        w.observe(redraw, names="value")
-    redraw()
+        image.value = plot_png(draw, figsize=(7, 3.5))
+
+    live([*controls.values(), device], redraw)
     return widgets.VBox(
         [
             widgets.HBox(
@@ -183,7 +181,7 @@ def build_memory_widget(
                 ]
             ),
             readout,
-            plot,
+            image,
         ]
     )
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from minitrain.precision import FORMATS, FP16, FloatFormat
+from minitrain.widgets import live, plot_png
 
 # ------------------------------------------------------------------ float explorer
 
@@ -131,11 +132,11 @@ def build_float_explorer(format_name: str = "fp16", value: float = 0.1):
                 tooltip=f"{field} bit {index}",
                 layout=w.Layout(width="34px"),
             )
-            b.observe(on_bit, names="value")
             buttons.append(b)
         bit_row.children = buttons
+        live(buttons, on_bit, now=False)
 
-    def on_bit(_):
+    def on_bit():
         if busy["now"]:
             return
         bits = 0
@@ -143,17 +144,15 @@ def build_float_explorer(format_name: str = "fp16", value: float = 0.1):
             bits = (bits << 1) | int(button.value)
         show(compute_float_explorer(fmt_box.value, bits=bits))
 
-    def on_value(_=None):
+    def on_value():
         show(compute_float_explorer(fmt_box.value, value=number.value))
 
-    def on_format(_):
+    def on_format():
         make_bits()
         on_value()
 
-    fmt_box.observe(on_format, names="value")
-    number.observe(on_value, names="value")
-    make_bits()
-    on_value()
+    live([number], on_value, now=False)
+    live([fmt_box], on_format)
     return w.VBox([w.HBox([fmt_box, number]), bit_row, status])
 
 
@@ -256,15 +255,14 @@ def plot_gradient_histogram(h: dict, ax, title: str = ""):
 def build_loss_scale_widget(grads: torch.Tensor | None = None, log2_scale: int = 0):
     """Slider of log2(loss scale) and a format choice -> histogram and flushed fraction."""
     import ipywidgets as w
-    import matplotlib.pyplot as plt
 
     grads = tiny_gpt_gradients() if grads is None else grads
     slider = w.IntSlider(value=log2_scale, min=0, max=32, description="log2 scale")
     fmt_box = w.Dropdown(options=["fp16", "bf16", "fp8_e5m2"], value="fp16", description="format")
     status = w.HTML()
-    out = w.Output()
+    image = w.Image(format="png")
 
-    def redraw(_=None):
+    def redraw():
         fmt = FORMATS[fmt_box.value]
         h = compute_gradient_histogram(grads, 2.0**slider.value, fmt)
         status.value = (
@@ -272,13 +270,7 @@ def build_loss_scale_widget(grads: torch.Tensor | None = None, log2_scale: int =
             f"gradient values flush to zero in {fmt.name}, {h['subnormal_fraction']:.2%} are "
             f"subnormal, {h['overflow_fraction']:.2%} overflow"
         )
-        out.clear_output(wait=True)
-        with out:
-            fig, ax = plt.subplots(figsize=(8, 3))
-            plot_gradient_histogram(h, ax)
-            plt.show()
+        image.value = plot_png(lambda ax: plot_gradient_histogram(h, ax), figsize=(8, 3))
 
-    slider.observe(redraw, names="value")
-    fmt_box.observe(redraw, names="value")
-    redraw()
-    return w.VBox([w.HBox([slider, fmt_box]), status, out])
+    live([slider, fmt_box], redraw)
+    return w.VBox([w.HBox([slider, fmt_box]), status, image])

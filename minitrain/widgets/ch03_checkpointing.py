@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from minitrain.checkpointing import policy_extra_flops, policy_peak_bytes, policy_saved_bytes
 from minitrain.checkpointing.measure import compare_policies, tiny_setup
+from minitrain.widgets import live, plot_png
 
 WIDGET_POLICIES = ("none", "full", "selective", "every_k", "segments")
 K_POLICIES = ("every_k", "segments")  # the policies the k slider applies to
@@ -156,25 +157,24 @@ def plot_checkpointing_view(view: dict, k: int, ax_memory=None, ax_cost=None):
 def build_checkpointing_widget(data: dict | None = None, policy: str = "segments", k: int = 3):
     """An ipywidgets VBox: policy dropdown + k slider -> measured/predicted memory, FLOPs, time."""
     import ipywidgets as widgets
-    import matplotlib.pyplot as plt
 
     data = data or measure_checkpointing()
     L = data["config"].n_layer
     chooser = widgets.Dropdown(options=list(WIDGET_POLICIES), value=policy, description="policy")
     slider = widgets.IntSlider(value=min(k, L), min=1, max=L, description="k")
     slider.disabled = policy not in K_POLICIES
-    readout, plot = widgets.HTML(), widgets.Output()
+    readout, image = widgets.HTML(), widgets.Image(format="png")
 
-    def redraw(_=None):
+    def redraw():
         slider.disabled = chooser.value not in K_POLICIES  # k means nothing for the others
         view = compute_checkpointing_view(data, chooser.value, slider.value)
         readout.value = _describe(view)
-        with plot:
-            plot.clear_output(wait=True)
-            plot_checkpointing_view(view, slider.value)
-            plt.show()
+        image.value = plot_png(
+            lambda axes: plot_checkpointing_view(view, slider.value, *axes),
+            figsize=(12, 3.8),
+            ncols=2,
+            gridspec_kw={"width_ratios": [3, 1.4]},
+        )
 
-    chooser.observe(redraw, names="value")
-    slider.observe(redraw, names="value")
-    redraw()
-    return widgets.VBox([widgets.HBox([chooser, slider]), readout, plot])
+    live([chooser, slider], redraw)
+    return widgets.VBox([widgets.HBox([chooser, slider]), readout, image])

@@ -13,7 +13,7 @@ import math
 
 from minitrain.ddp import assign_buckets, hidden_share_per_step, summarize_shares
 from minitrain.runtime import trace
-from minitrain.widgets import figure_png, offscreen_pyplot
+from minitrain.widgets import live, plot_png
 
 
 def _label(cap_mb: float) -> str:
@@ -82,17 +82,11 @@ def compute_bucket_view(sweep: dict, cap_mb: float) -> dict:
 
 
 def _render(view: dict) -> bytes:
-    plt = offscreen_pyplot()
-    fig, ax = plt.subplots(figsize=(9, 2.2))
-    trace.plot_timeline(
-        view["traces"],
-        ax=ax,
-        title=f"bucket {view['label']}: {view['buckets']} buckets, "
-        f"step {view['step_ms']:.1f} ms, "
-        f"median {100 * view['hidden_share']:.0f}% of communication hidden "
-        f"({view['steps']} steps)",
+    title = (
+        f"bucket {view['label']}: {view['buckets']} buckets, step {view['step_ms']:.1f} ms, "
+        f"median {100 * view['hidden_share']:.0f}% of communication hidden ({view['steps']} steps)"
     )
-    return figure_png(fig)
+    return plot_png(lambda ax: trace.plot_timeline(view["traces"], ax=ax, title=title), (9, 2.2))
 
 
 def build_bucket_widget(sweep: dict):
@@ -109,7 +103,7 @@ def build_bucket_widget(sweep: dict):
     summary = w.HTML()
     image = w.Image(format="png")
 
-    def update(_=None):
+    def update():
         view = compute_bucket_view(sweep, slider.value)
         summary.value = (
             f"<b>{view['buckets']}</b> buckets · measured step "
@@ -120,6 +114,5 @@ def build_bucket_widget(sweep: dict):
         )
         image.value = _render(view)
 
-    slider.observe(update, names="value")
-    update()
+    live([slider], update)
     return w.VBox([slider, summary, image])

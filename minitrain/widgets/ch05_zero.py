@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from minitrain.fsdp.measure import fsdp_formula
-from minitrain.widgets import figure_png, offscreen_pyplot
+from minitrain.widgets import live, plot_png
 from minitrain.zero import communication_formula, memory_formula
 
 STAGES = ("DP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
@@ -168,13 +168,6 @@ def plot_stage3_timeline(traces, ax=None):
     )
 
 
-def _png(draw) -> bytes:
-    plt = offscreen_pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    draw(ax)
-    return figure_png(fig)
-
-
 def build_zero_memory_widget(measured: list | None = None, traces=None):
     """Controls (parameters, ranks, stage, precision, offload) → summary line and bars;
     below, the stage 3 timeline if ``traces`` (per-rank events of one step) are given; last,
@@ -198,7 +191,7 @@ def build_zero_memory_widget(measured: list | None = None, traces=None):
     status, fsdp_status = w.HTML(), w.HTML()
     image = w.Image(format="png")
 
-    def update(_=None):
+    def update():
         view = compute_zero_memory(
             int(params.value), ranks.value, stage.value, precision.value, offload.value, measured
         )
@@ -206,15 +199,15 @@ def build_zero_memory_widget(measured: list | None = None, traces=None):
         fsdp_status.value = describe_fsdp(
             compute_fsdp(int(params.value), ranks.value, compute.value)
         )
-        image.value = _png(lambda ax: plot_memory(view, ax))
+        image.value = plot_png(lambda ax: plot_memory(view, ax), (7, 3.2))
 
-    for control in (params, ranks, stage, precision, offload, compute):
-        control.observe(update, names="value")
-    update()
+    live([params, ranks, stage, precision, offload, compute], update)
     children = [w.HBox([params, ranks]), stage, w.HBox([precision, offload]), status, image]
     if traces is not None:
         children.append(
-            w.Image(format="png", value=_png(lambda ax: plot_stage3_timeline(traces, ax)))
+            w.Image(
+                format="png", value=plot_png(lambda ax: plot_stage3_timeline(traces, ax), (7, 3.2))
+            )
         )
     children.append(w.VBox([compute, fsdp_status]))  # FSDP: the same Ψ and N
     return w.VBox(children)

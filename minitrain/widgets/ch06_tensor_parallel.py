@@ -17,7 +17,7 @@ from minitrain.tensor_parallel.measure import (
     summarize_log,
     total_bytes,
 )
-from minitrain.widgets import figure_png, offscreen_pyplot
+from minitrain.widgets import live, plot_png
 
 # layer -> split -> the modules (names in the GPT) split that way
 SPLITS = {
@@ -141,13 +141,6 @@ def plot_view(view: dict, axes=None):
     return axes
 
 
-def _png(view) -> bytes:
-    plt = offscreen_pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
-    plot_view(view, axes)
-    return figure_png(fig)
-
-
 def build_tp_widget(measured: dict, shape: dict):
     """Controls (layer, split, TP size, SP) → status line (slices, collectives, bytes) and
     the picture; ``measured`` and ``shape`` as for ``compute_tp_view``. The split buttons
@@ -162,14 +155,14 @@ def build_tp_widget(measured: dict, shape: dict):
     status, image = w.HTML(), w.Image(format="png")
     changing_layer = False
 
-    def update(_=None):
+    def update():
         if changing_layer:  # new split options set split.value too: draw once, afterwards
             return
         view = compute_tp_view(layer.value, split.value, tp.value, sp.value, measured, shape)
         status.value = describe(view)
-        image.value = _png(view)
+        image.value = plot_png(lambda axes: plot_view(view, axes), (9, 3.2), ncols=2)
 
-    def choose_layer(_):
+    def choose_layer():
         nonlocal changing_layer
         changing_layer = True
         try:
@@ -178,8 +171,6 @@ def build_tp_widget(measured: dict, shape: dict):
             changing_layer = False
         update()
 
-    layer.observe(choose_layer, names="value")
-    for control in (split, tp, sp):
-        control.observe(update, names="value")
-    update()
+    live([layer], choose_layer, now=False)
+    live([split, tp, sp], update)
     return w.VBox([layer, split, w.HBox([tp, sp]), status, image])

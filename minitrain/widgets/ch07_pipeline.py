@@ -12,7 +12,7 @@ GPipe (Huang et al. 2019), 1F1B and interleaved (Narayanan et al. 2021), ZB-H1 (
 
 from __future__ import annotations
 
-from minitrain.widgets import figure_png, offscreen_pyplot
+from minitrain.widgets import live, plot_png
 
 CELL_COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 
@@ -94,13 +94,6 @@ def plot_view(view: dict, axes=None):
     return axes
 
 
-def _png(view) -> bytes:
-    plt = offscreen_pyplot()
-    fig, axes = plt.subplots(2, 1, figsize=(10, 1.2 + 1.1 * view["p"]))
-    plot_view(view, axes)
-    return figure_png(fig, dpi=70)
-
-
 def build_pipeline_widget(unit: float = 0.01, cache: dict | None = None):
     """Controls (schedule, p, m, v, stage kind) → the two pictures and the numbers; each
     new choice is measured once (one launch of p ranks) and cached in ``cache``."""
@@ -117,7 +110,7 @@ def build_pipeline_widget(unit: float = 0.01, cache: dict | None = None):
     kind = w.ToggleButtons(options=["sleep", "gpt"], value="sleep", description="stage")
     status, image = w.HTML(), w.Image(format="png")
 
-    def update(_=None):
+    def update():
         chunks = v.value if name.value == "interleaved" else 1
         key = (name.value, p.value, m.value, chunks, kind.value)
         if key not in cache:
@@ -126,9 +119,8 @@ def build_pipeline_widget(unit: float = 0.01, cache: dict | None = None):
                                        unit=unit, config=config)[(name.value, chunks)]
         view = compute_pipeline_view(name.value, p.value, m.value, chunks, kind.value, cache[key])
         status.value = describe(view)
-        image.value = _png(view)
+        image.value = plot_png(lambda axes: plot_view(view, axes), (10, 1.2 + 1.1 * view["p"]),
+                               dpi=70, nrows=2)
 
-    for control in (name, p, m, v, kind):
-        control.observe(update, names="value")
-    update()
+    live([name, p, m, v, kind], update)
     return w.VBox([w.HBox([name, kind]), w.HBox([p, m, v]), status, image])

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from minitrain.data import get_batch
 from minitrain.moe.measure import SMALL_GPT, routing_table, train_load_history
-from minitrain.widgets import figure_png, offscreen_pyplot
+from minitrain.widgets import live, plot_png
 
 METHODS = ("aux_loss", "bias", "none")
 _trained: dict = {}
@@ -78,13 +78,6 @@ def plot_view(view: dict, axes) -> None:
     ax2.set_title("imbalance during the training run", fontsize="small")
 
 
-def _png(view) -> bytes:
-    plt = offscreen_pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.0))
-    plot_view(view, axes)
-    return figure_png(fig)
-
-
 def build_moe_widget(world: int = 2, steps: int = 40):
     """Controls (balancing method, aux-loss weight, top-k, capacity factor) → status line
     and heat-map. Each new (method, weight, top-k) trains once (a few seconds), then cached."""
@@ -100,13 +93,11 @@ def build_moe_widget(world: int = 2, steps: int = 40):
                                  description="capacity")
     status, image = w.HTML(), w.Image(format="png")
 
-    def update(_=None):
+    def update():
         view = compute_routing_view(method.value, weight.value, top_k.value,
                                     capacity.value or None, world, steps)
         status.value = describe(view)
-        image.value = _png(view)
+        image.value = plot_png(lambda axes: plot_view(view, axes), (9, 3.0), ncols=2)
 
-    for control in (method, weight, top_k, capacity):
-        control.observe(update, names="value")
-    update()
+    live([method, weight, top_k, capacity], update)
     return w.VBox([method, w.HBox([weight, capacity]), top_k, status, image])

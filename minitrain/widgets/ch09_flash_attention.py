@@ -26,6 +26,7 @@ from minitrain.flash_attention.tiles import (
     online_softmax_update,
     visible_key_blocks,
 )
+from minitrain.widgets import live, plot_png
 
 
 def trace_tiles(n: int = 12, d: int = 4, block_q: int = 4, block_k: int = 4, causal: bool = True,
@@ -130,23 +131,17 @@ def plot_tile_view(view: dict, ax_grid=None, ax_out=None):
 def build_flash_widget(trace: dict | None = None, step: int = 0, block: int = 4):
     """An ipywidgets VBox: a step slider through the tiles and a tile-size slider for the IO."""
     import ipywidgets as widgets
-    import matplotlib.pyplot as plt
 
     trace = trace or trace_tiles()
     step_slider = widgets.IntSlider(value=step, min=0, max=len(trace["steps"]) - 1, description="tile")
     block_slider = widgets.IntSlider(value=block, min=1, max=trace["n"], description="tile size")
-    readout, plot = widgets.HTML(), widgets.Output()
+    readout, image = widgets.HTML(), widgets.Image(format="png")
 
-    def redraw(_=None):
+    def redraw():
         view = compute_tile_view(trace, step_slider.value)
         io = compute_io_view(trace["n"], trace["d"], block_slider.value, trace["causal"])
         readout.value = _describe(view, io)
-        with plot:
-            plot.clear_output(wait=True)
-            plot_tile_view(view)
-            plt.show()
+        image.value = plot_png(lambda axes: plot_tile_view(view, *axes), figsize=(10, 3.2), ncols=2)
 
-    step_slider.observe(redraw, names="value")
-    block_slider.observe(redraw, names="value")
-    redraw()
-    return widgets.VBox([widgets.HBox([step_slider, block_slider]), readout, plot])
+    live([step_slider, block_slider], redraw)
+    return widgets.VBox([widgets.HBox([step_slider, block_slider]), readout, image])

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from minitrain.context_parallel.layout import num_chunks
 from minitrain.context_parallel.measure import forward_flops, schedule, work_per_step
-from minitrain.widgets import figure_png, offscreen_pyplot
+from minitrain.widgets import figure_png, live, offscreen_figure
 
 RANK_COLORS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B2", "#937860"]
 
@@ -56,7 +56,7 @@ def plot_view(view: dict, fig=None):
 
     P, c, N = view["world_size"], view["chunk"], view["seq_len"]
     if fig is None:
-        fig = plt.figure(figsize=(1.6 * P + 2.6, 1.5 * P + 0.4))
+        fig = plt.figure(figsize=figure_size(P))
     axes = fig.subplots(P, P + 1, squeeze=False)
     for r, steps in enumerate(view["schedule"]):
         for s, pairs in enumerate(steps):
@@ -87,9 +87,13 @@ def _rgb(color: str):
     return tuple(int(color[i:i + 2], 16) / 255 for i in (1, 3, 5))
 
 
+def figure_size(world_size: int) -> tuple[float, float]:
+    """Inches for ``plot_view``'s grid of P rows and P + 1 columns."""
+    return 1.6 * world_size + 2.6, 1.5 * world_size + 0.4
+
+
 def _png(view) -> bytes:
-    offscreen_pyplot()  # plot_view makes its own figure
-    return figure_png(plot_view(view), dpi=70)
+    return figure_png(plot_view(view, offscreen_figure(figure_size(view["world_size"]))), dpi=70)
 
 
 def build_cp_widget(seq_lens=(64, 128, 256), sizes=(2, 3, 4)):
@@ -102,7 +106,7 @@ def build_cp_widget(seq_lens=(64, 128, 256), sizes=(2, 3, 4)):
     causal = w.Checkbox(value=True, description="causal")
     status, image = w.HTML(), w.Image(format="png")
 
-    def update(_=None):
+    def update():
         try:
             view = compute_cp_view(seq.value, size.value, layout.value, causal.value)
         except ValueError as exc:  # N not divisible by P or 2P: say so instead of drawing
@@ -111,7 +115,5 @@ def build_cp_widget(seq_lens=(64, 128, 256), sizes=(2, 3, 4)):
         status.value = describe(view)
         image.value = _png(view)
 
-    for control in (seq, size, layout, causal):
-        control.observe(update, names="value")
-    update()
+    live([seq, size, layout, causal], update)
     return w.VBox([seq, size, w.HBox([layout, causal]), status, image])

@@ -14,6 +14,7 @@ import html
 from minitrain.model import GPTConfig
 from minitrain.planner import Cluster, plan
 from minitrain.published_layouts import MEGATRON_2021, a100_cluster
+from minitrain.widgets import live
 
 MODELS = {name: (heads, h, layers) for name, heads, h, layers, *_ in MEGATRON_2021}
 MEMORY_PARTS = ("params", "grads", "optimizer", "activations")
@@ -77,11 +78,9 @@ def build_planner_widget():
     inter = w.IntSlider(value=25, min=3, max=100, step=1, description="inter GB/s")
     status = w.HTML()
 
-    def update(_=None):
+    def update():
         status.value = describe(compute_plan(model.value, devices.value, memory.value,
                                              intra.value, inter.value))
 
-    for control in (model, devices, memory, intra, inter):
-        control.observe(update, names="value")
-    update()
+    live([model, devices, memory, intra, inter], update)
     return w.VBox([w.HBox([model, devices]), w.HBox([memory, intra, inter]), status])

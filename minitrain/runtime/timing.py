@@ -1,0 +1,45 @@
+"""Step times measured on several ranks, summarised the one way the course quotes them.
+
+A distributed step ends when its slowest rank does, so step i's time is the maximum over the
+ranks of their times for step i. Over the steps, the median is the number to quote and the
+first and third quartiles the spread: a slow moment of a shared machine moves the median
+little, and the spread shows it happened. Used by ``minitrain.ddp.measure`` and the
+benchmarks ``python -m minitrain.bench zero | tp | moe``.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+
+def slowest_rank_times(per_rank: list[list[float]]) -> list[float]:
+    """Step i's time: the maximum over the ranks of ``per_rank[r][i]``. A rank with no times
+    (one that sat out, as rank 1 while rank 0 runs a one-process reference) is left out."""
+    timed = [times for times in per_rank if times]
+    if not timed:
+        raise ValueError("slowest_rank_times needs the times of at least one rank")
+    return [max(step) for step in zip(*timed, strict=True)]
+
+
+def median_and_quartiles(
+    values: list[float], method: str = "exclusive"
+) -> tuple[float, tuple[float, float]]:
+    """(median, (first quartile, third quartile)) of ``values``; one value is its own spread.
+    ``method``: ``statistics.quantiles``'s ("inclusive" keeps the quartiles of shares within
+    the range of the values)."""
+    if len(values) == 1:
+        return values[0], (values[0], values[0])
+    q1, _, q3 = statistics.quantiles(values, n=4, method=method)
+    return statistics.median(values), (q1, q3)
+
+
+def summarize_step_times(per_rank: list[dict[str, list[float]]]) -> dict:
+    """Per variant, the slowest rank's step times summarised: ``per_rank[r][name]`` holds rank
+    r's times of ``name``'s steps. Returns {"step_time": {name: median}, "spread": {name:
+    (q1, q3)}}, the variants in the order of rank 0's dict."""
+    step_time, spread = {}, {}
+    for name in per_rank[0]:
+        step_time[name], spread[name] = median_and_quartiles(
+            slowest_rank_times([times[name] for times in per_rank])
+        )
+    return {"step_time": step_time, "spread": spread}
