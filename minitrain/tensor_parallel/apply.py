@@ -82,8 +82,9 @@ class TensorParallelGPT(GPT):
         x = self.tok_emb(idx)  # reduce-scattered: this rank's shard of the sequence
         if positions is None:
             positions = torch.arange(s, device=idx.device)
-        # this rank's positions: its contiguous 1/t of them, the rows tok_emb kept
-        pos = split(positions, 0, self.tp_group)
+        # this rank's positions: its contiguous 1/t of them, the rows tok_emb kept (a copy:
+        # the lookup saves it for backward, and a view would keep all s positions alive)
+        pos = split(positions, 0, self.tp_group).clone()
         # the position table is replicated but each rank reads only its positions: f sums
         # the table's gradient across the group, as for the LayerNorms
         table = copy_to_parallel_region(self.pos_emb.weight, self.tp_group)
