@@ -71,3 +71,16 @@ def test_every_planner_layout_trains_like_one_process(devices):
                 break
     assert not bad, f"{len(bad)} of {len(layouts)} layouts:\n" + "\n".join(bad[:20])
     assert ref[1] < ref[0]  # and SGD with lr = 1 really trained
+
+
+def test_planner_proposes_sp_only_where_tp_divides_a_cp_shard_and_no_pipeline_when_tied():
+    """Sequence parallelism cuts each CP rank's seq_len / cp positions over the TP ranks:
+    with 12 positions, CP2 leaves 6, which TP4 cannot cut (TP4 without SP, or TP4 + SP
+    without CP, is fine). A tied head lives on the first stage: no pipeline."""
+    cfg = GPTConfig(vocab_size=16, seq_len=12, n_layer=2, n_head=4, d_model=16)
+    layouts = enumerate_layouts(cfg, 12, 8, 8, 8)
+    assert all((12 // lo.cp) % lo.tp == 0 for lo in layouts if lo.sequence_parallel)
+    assert any(lo.tp == 4 and lo.cp == 2 and not lo.sequence_parallel for lo in layouts)
+    assert any(lo.tp == 4 and lo.cp == 1 and lo.sequence_parallel for lo in layouts)
+    tied = GPTConfig(vocab_size=16, seq_len=12, n_layer=2, n_head=4, d_model=16, tie_weights=True)
+    assert {lo.pp for lo in enumerate_layouts(tied, 12, 8, 8, 8)} == {1}
