@@ -26,6 +26,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from minitrain.checkpointing import set_checkpointing
 from minitrain.context_parallel import ContextParallelGPT
 from minitrain.data import get_batch
 from minitrain.ddp import DataParallel
@@ -36,12 +37,16 @@ from minitrain.tensor_parallel import apply_tensor_parallel, vocab_parallel_cros
 from minitrain.tensor_parallel.random import load_rng_state_dict, rng_state_dict
 from minitrain.zero import ShardedOptimizer, ZeroDataParallel
 
+# "sgd" (lr = 1 in the tests) shows a constant error in a gradient's scale, which AdamW's
+# m / sqrt(v) cancels: a sum instead of a mean, a LayerNorm gradient counted t times
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+
 
 class ParallelGPT:
     """One rank's share of the GPT on a mesh, its optimizer, and ``step(step_index)``.
 
     ``layout``: dict with dp, tp, pp, cp, zero (0–3), microbatches, schedule ("gpipe" or
-    "1f1b"), sequence_parallel. ``step`` returns the global mean loss of that step (the same
+    "1f1b"), sequence_parallel, checkpointing, optimizer (``full_layout``). ``step`` returns the global mean loss of that step (the same
     number on every rank), exactly what one process computes on the whole batch.
     """
 
@@ -52,9 +57,10 @@ class ParallelGPT:
         lo = self.layout
         check_layout(config, lo["dp"], lo["tp"], lo["pp"], lo["cp"], config.seq_len,
                      batch_size, lo["microbatches"])
-        if lo["cp"] > 1 and lo["sequence_parallel"]:
-            raise ValueError(f"cp={lo['cp']} with sequence parallelism: both cut the sequence; "
-                             "choose one")
+        if lo["sequence_parallel"] and (config.seq_len // lo["cp"]) % lo["tp"]:
+            raise ValueError(f"sequence parallelism cuts each rank's {config.seq_len // lo['cp']} "
+                             f"positions (seq_len {config.seq_len} / cp {lo['cp']}) over "
+                             f"tp={lo['tp']} ranks: they must divide evenly")
         if lo["pp"] > 1 and lo["zero"] > 1:
             raise ValueError(
                 f"zero={lo['zero']} with pp={lo['pp']}: ZeRO-2/3 shard gradients and parameters "
@@ -67,7 +73,7 @@ class ParallelGPT:
         self.replicas = lo["dp"] * lo["cp"]
         torch.manual_seed(seed)  # the same dense model on every rank
         model = GPT(config)
-        if lo["tp"] > 1:
+        if lo["tp"] > 1:  # with SP and CP, SP cuts this CP rank's shard further (Megatron-Core)
             apply_tensor_parallel(model, self.tp_group, lo["sequence_parallel"], seed=seed)
         self.model, self.stage, self.context = model, None, None
         if lo["cp"] > 1:  # chapter 10: ring attention, this rank's zigzag shard of each sequence
@@ -75,22 +81,26 @@ class ParallelGPT:
             # the model's own embed (called by TP's forward and the pipeline's first stage)
             # must look positions up where this rank's tokens sit: use chapter 10's
             model.embed = self.context.embed
+        recompute = "full" if lo["checkpointing"] == "full" else None
+        opt_cls = OPTIMIZERS[lo["optimizer"]]
         if lo["pp"] > 1:  # chapter 7: keep this stage's blocks, gradients averaged over dp
-            self.stage = PipelineStage(model, self.mesh.group("pp"))
+            self.stage = PipelineStage(model, self.mesh.group("pp"), checkpointing=recompute)
             params = [p for p in model.parameters() if p.requires_grad]
             self.wrapped = self.stage
             if lo["zero"] == 1:  # chapter 5's ZeRO-1 under the pipeline's averaged gradients
-                self.optimizer = ShardedOptimizer(params, torch.optim.AdamW,
-                                                  group=self.dp_group, lr=lr)
+                self.optimizer = ShardedOptimizer(params, opt_cls, group=self.dp_group, lr=lr)
             else:
-                self.optimizer = torch.optim.AdamW(params, lr=lr)
-        elif lo["zero"] == 0:
+                self.optimizer = opt_cls(params, lr=lr)
+            return
+        if recompute:  # chapter 3: every block recomputed in backward
+            set_checkpointing(model, recompute)
+        if lo["zero"] == 0:
             self.wrapped = DataParallel(model, group=self.dp_group) if self.replicas > 1 \
                 else model
-            self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+            self.optimizer = opt_cls(model.parameters(), lr=lr)
         else:
-            self.wrapped = ZeroDataParallel(model, torch.optim.AdamW, lo["zero"],
-                                            group=self.dp_group, lr=lr)
+            self.wrapped = ZeroDataParallel(model, opt_cls, lo["zero"], group=self.dp_group,
+                                            lr=lr)
             self.optimizer = self.wrapped  # step() and zero_grad() of its own
 
     def loss_fn(self, logits, targets):
@@ -142,14 +152,27 @@ class ParallelGPT:
 
     def state(self) -> dict:
         """What a checkpoint must hold to continue bit-exactly: weights, optimizer, RNG."""
+<<<<<<< HEAD
         out = {"model": self.model.state_dict(), "rng": torch.get_rng_state(),
                "tp_rng": rng_state_dict(self.model)}  # TP dropout's per-rank streams
+=======
+        out = {"model": self.model_state(), "rng": torch.get_rng_state()}
+>>>>>>> compose-fixes
         if isinstance(self.wrapped, ZeroDataParallel):  # its shards and its inner optimizer
             out["shards"] = [u.master.detach().clone() for u in self.wrapped.live_units()]
             out["optimizer"] = self.wrapped.optimizer.state_dict()
         else:
             out["optimizer"] = self.optimizer.state_dict()
         return out
+
+    def model_state(self) -> dict:
+        """The weights this rank holds. Under ZeRO the shards (``state()["shards"]``) are
+        the weights and the module holds no tensor of its own: stage 3's parameters are
+        views of freed storage (saving them writes empty storages, a file no one can load),
+        so nothing of the module is saved; without ZeRO its ``state_dict()``."""
+        if isinstance(self.wrapped, ZeroDataParallel):
+            return {}
+        return self.model.state_dict()
 
     def load_state(self, state: dict) -> None:
         if isinstance(self.wrapped, ZeroDataParallel):
@@ -168,9 +191,12 @@ class ParallelGPT:
 
 def full_layout(layout: dict) -> dict:
     """The layout with every key: dp, tp, pp, cp (1), zero (0), microbatches (1), schedule
-    ("1f1b"), sequence_parallel (False)."""
+    ("1f1b"), sequence_parallel (False), checkpointing ("none" or "full": every block
+    recomputed, chapter 3), optimizer ("adamw" or "sgd"). A planner ``Layout``'s fields are
+    these keys (``minitrain.planner.layout_dict``)."""
     out = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "zero": 0, "microbatches": 1,
-           "schedule": "1f1b", "sequence_parallel": False}
+           "schedule": "1f1b", "sequence_parallel": False, "checkpointing": "none",
+           "optimizer": "adamw"}
     unknown = set(layout) - set(out)
     if unknown:
         raise ValueError(f"unknown layout keys {sorted(unknown)}; expected {sorted(out)}")
@@ -179,15 +205,21 @@ def full_layout(layout: dict) -> dict:
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {out['zero']!r}")
     if out["schedule"] not in ("gpipe", "1f1b"):
         raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {out['schedule']!r}")
+    if out["checkpointing"] not in ("none", "full"):
+        raise ValueError(f"checkpointing must be 'none' or 'full', got {out['checkpointing']!r}")
+    if out["optimizer"] not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, "
+                         f"got {out['optimizer']!r}")
     return out
 
 
 def single_process_losses(config: GPTConfig, steps: int, batch_size: int, lr: float,
-                          seed: int, first_step: int = 0) -> list[float]:
-    """The reference: the dense GPT, AdamW, the whole global batch, one process."""
+                          seed: int, first_step: int = 0, optimizer: str = "adamw") -> list[float]:
+    """The reference: the dense GPT, AdamW (or ``optimizer``), the whole global batch, one
+    process."""
     torch.manual_seed(seed)
     model = GPT(config)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = OPTIMIZERS[optimizer](model.parameters(), lr=lr)
     losses = []
     for step in range(first_step, first_step + steps):
         x, y = get_batch(step, batch_size, vocab_size=config.vocab_size, seq_len=config.seq_len,

@@ -174,8 +174,9 @@ def check_layout(config, dp=1, tp=1, pp=1, cp=1, seq_len=None, batch_size=None,
         problems.append(f"tensor parallel size {tp} does not divide d_ff={config.d_ff}")
     if config.vocab_size % tp:
         problems.append(f"tensor parallel size {tp} does not divide vocab_size={config.vocab_size}")
-    if config.n_layer % pp:
-        problems.append(f"pipeline size {pp} does not divide {config.n_layer} layers")
+    if config.n_layer < pp:  # uneven stages are fine (extras to the first, split_blocks)
+        problems.append(f"pipeline size {pp} does not divide {config.n_layer} layers into "
+                        f"stages of at least one layer")
     s = seq_len or config.seq_len
     if s % (cp * (2 if cp > 1 else 1)):
         problems.append(f"context parallel size {cp} needs a sequence length divisible by "

@@ -201,13 +201,15 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+    def embed(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token plus position embeddings. ``positions``: where ``idx``'s tokens sit in the
+        sequence (default 0..s-1; context parallelism passes its shard's, chapter 10)."""
         if idx.dim() != 2:
             raise ValueError(f"idx must be (batch, seq), got shape {tuple(idx.shape)}")
         s = idx.shape[1]
         if s > self.config.seq_len:
             raise ValueError(f"sequence length {s} exceeds config.seq_len={self.config.seq_len}")
-        pos = torch.arange(s, device=idx.device)
+        pos = torch.arange(s, device=idx.device) if positions is None else positions
         x = self.tok_emb(idx) + self.pos_emb(pos)
         return dropout(x, self.config.dropout, self.training)
 

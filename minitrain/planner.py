@@ -199,15 +199,20 @@ def enumerate_layouts(config: GPTConfig, seq_len: int, global_batch: int, device
                       devices_per_node: int, zero_stages=(0, 1, 2, 3),
                       checkpointing=("none", "full"), max_cp: int = 16) -> list[Layout]:
     """Every layout the course's techniques can run: TP inside a node dividing the heads, PP
-    up to the layers, CP dividing the sequence, micro-batch counts dividing the local batch."""
+    up to the layers, CP dividing the sequence, micro-batch counts dividing the local batch.
+    Sequence parallelism with every tp > 1 whose ranks divide a CP rank's positions (with
+    CP, SP cuts each CP shard further over the TP ranks, as Megatron-Core does). Each one
+    builds and trains in ``minitrain.compose.ParallelGPT`` (``layout_dict``)."""
     out = []
     for tp in _divisors(devices, devices_per_node):
         if config.n_head % tp or config.d_ff % tp or config.vocab_size % tp:
             continue
-        for pp in _divisors(devices // tp, config.n_layer):
+        # a tied head lives with the embedding on the first stage: no pipeline (chapter 7)
+        for pp in _divisors(devices // tp, 1 if config.tie_weights else config.n_layer):
             for cp in _divisors(devices // (tp * pp), max_cp):
                 if seq_len % (2 * cp if cp > 1 else 1):
                     continue
+                sp = tp > 1 and (seq_len // cp) % tp == 0
                 dp = devices // (tp * pp * cp)
                 if global_batch % dp:
                     continue
@@ -218,7 +223,7 @@ def enumerate_layouts(config: GPTConfig, seq_len: int, global_batch: int, device
                         if zero > 1 and pp > 1:  # not combined (see minitrain.compose)
                             continue
                         for ck in checkpointing:
-                            out.append(Layout(dp, tp, pp, cp, zero, ck, m, "1f1b", tp > 1))
+                            out.append(Layout(dp, tp, pp, cp, zero, ck, m, "1f1b", sp))
     return out
 
 

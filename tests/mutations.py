@@ -686,6 +686,62 @@ MUTATIONS = [
         "",
         ["tests/test_moe.py::test_router_load_is_counted_once_under_checkpointing"],
     ),
+    # issue 26: ZeRO-3 resume, CP with TP + SP, every planner layout, SGD with lr = 1
+    Mutation(
+        "compose: ZeRO-3 checkpoint of model.state_dict() (views of freed storage)",
+        "minitrain/compose.py",
+        "        if isinstance(self.wrapped, ZeroDataParallel):\n            return {}\n",
+        "",
+        ["tests/test_train.py::test_zero3_resumes_bit_exactly[dp2-zero3]",
+         "tests/test_train.py::test_zero3_resumes_bit_exactly[dp2-tp2-zero3]"],
+    ),
+    Mutation(
+        "compose: SP with CP refused again (the planner's layouts do not build)",
+        "minitrain/compose.py",
+        'if lo["sequence_parallel"] and (config.seq_len // lo["cp"]) % lo["tp"]:',
+        'if lo["sequence_parallel"] and lo["cp"] > 1:',
+        ["tests/test_train.py::test_loss_curve_equals_the_single_process"
+         "[tp2-cp2-sequence_parallelTrue-microbatches2]",
+         "tests/test_planner_layouts.py::test_every_planner_layout_trains_like_one_process[4]"],
+    ),
+    Mutation(
+        "tensor_parallel: SP+CP positions 0..n-1 (the CP shard's positions ignored)",
+        "minitrain/tensor_parallel/apply.py",
+        "        if positions is None:\n            positions = torch.arange(s, device=idx.device)\n",
+        "        positions = torch.arange(s, device=idx.device)\n",
+        ["tests/test_train.py::test_loss_curve_equals_the_single_process"
+         "[tp2-cp2-sequence_parallelTrue-microbatches2]"],
+    ),
+    Mutation(
+        "planner: SP for every tp > 1 (TP not dividing a CP rank's positions)",
+        "minitrain/planner.py",
+        "sp = tp > 1 and (seq_len // cp) % tp == 0",
+        "sp = tp > 1",
+        ["tests/test_planner_layouts.py::"
+         "test_planner_proposes_sp_only_where_tp_divides_a_cp_shard_and_no_pipeline_when_tied"],
+    ),
+    Mutation(
+        "mesh: uneven pipeline stages refused (the planner proposes them)",
+        "minitrain/mesh.py",
+        "    if config.n_layer < pp:",
+        "    if config.n_layer % pp:",
+        ["tests/test_mesh.py::test_uneven_pipeline_stages_pass_as_the_planner_proposes_them"],
+    ),
+    Mutation(
+        "tensor_parallel: LayerNorm gradients summed over TP without SP (t times; AdamW cancels)",
+        "minitrain/tensor_parallel/apply.py",
+        "        if sp:\n            _to_sequence_parallel(block.ln_1, group)",
+        "        if True:\n            _to_sequence_parallel(block.ln_1, group)",
+        ["tests/test_train.py::test_sgd_lr_1_losses_equal_the_single_process[dp2-tp2-optimizersgd]"],
+    ),
+    Mutation(
+        "pipeline: gradients summed, not averaged, over DP (AdamW cancels it)",
+        "minitrain/pipeline/executor.py",
+        "flat /= dist.get_world_size(group)",
+        "flat /= 1",
+        ["tests/test_train.py::test_sgd_lr_1_losses_equal_the_single_process"
+         "[dp2-tp2-pp2-microbatches2-optimizersgd]"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

@@ -105,3 +105,10 @@ def test_tp_not_dividing_heads_is_a_clear_error():
     with pytest.raises(ValueError, match="global batch 6 is not a multiple of dp=4"):
         check_layout(GPTConfig(), dp=4, batch_size=6)
     check_layout(GPTConfig(), dp=2, tp=2, pp=2, batch_size=8)  # a good one passes
+
+
+def test_uneven_pipeline_stages_pass_as_the_planner_proposes_them():
+    """Issue 26: the planner proposes pp up to the layers (Llama 3 405B: 126 layers, PP16;
+    split_blocks gives the extras to the first stages), so the check must not ask pp | L."""
+    check_layout(GPTConfig(n_layer=3), pp=2)
+    check_layout(GPTConfig(n_layer=126), pp=16)

@@ -100,7 +100,12 @@ def _run_layouts(layouts, steps):
 
     out = []
     for layout, n in zip(layouts, steps):
-        job = ParallelGPT(CFG, layout, BATCH, LR, SEED)
+        sgd = layout.get("optimizer") == "sgd"
+        try:  # a refused layout fails its own tests, not the whole module's
+            job = ParallelGPT(CFG, layout, BATCH, SGD_LR if sgd else LR, SEED)
+        except ValueError as exc:  # (refusals come before any collective: on every rank)
+            out.append({"error": f"{type(exc).__name__}: {exc}"})
+            continue
         losses, counter = [], CountCollectives()
         for step in range(n):
             params = list(job.model.parameters())
@@ -110,7 +115,9 @@ def _run_layouts(layouts, steps):
                         losses.append(job.step(step))
                 else:
                     losses.append(job.step(step))
-        if isinstance(job.optimizer, torch.optim.AdamW):
+        if sgd:  # (the model-state bytes are the AdamW runs')
+            states = None
+        elif isinstance(job.optimizer, torch.optim.AdamW):
             states = dp_memory_bytes(job.model, job.optimizer)
         elif job.stage is not None:  # ZeRO-1 under a pipeline: chapter 5's ShardedOptimizer
             states = dp_memory_bytes(job.model, job.optimizer)
@@ -126,22 +133,38 @@ def _run_layouts(layouts, steps):
 L8 = [dict(dp=2, tp=2, pp=2, microbatches=2), dict(dp=4, pp=2, microbatches=2),
       dict(dp=2, tp=2, pp=2, microbatches=2, zero=1, schedule="gpipe"),
       dict(tp=2, pp=2, cp=2, microbatches=2)]
-L4 = [dict(dp=2, tp=2), dict(dp=2, tp=2, sequence_parallel=True, microbatches=2)]
+L4 = [dict(dp=2, tp=2), dict(dp=2, tp=2, sequence_parallel=True, microbatches=2),
+      dict(tp=2, cp=2, sequence_parallel=True, microbatches=2)]  # Megatron-Core's CP + SP
 L2 = [dict(dp=2), dict(tp=2), dict(pp=2, microbatches=4), dict(dp=2, zero=1)]
+# SGD with lr = 1 on every layout (and ZeRO-3, DP × CP, TP + SP, recomputation): a gradient
+# off by a constant factor (a sum for a mean, a LayerNorm's counted t times) moves the next
+# loss by about as much as the step itself; AdamW's m / sqrt(v) cancels such a factor
+SGD_LR, SGD_STEPS = 1.0, 3
+EXTRA = {8: [dict(dp=2, tp=2, cp=2, sequence_parallel=True, zero=3)],
+         4: [dict(dp=2, cp=2, zero=3, checkpointing="full"), dict(dp=2, tp=2, sequence_parallel=True,
+                                                                  checkpointing="full")],
+         2: [dict(dp=2, zero=2), dict(dp=2, zero=3), dict(cp=2)]}
+SGD = {world: [{**lo, "optimizer": "sgd"} for lo in layouts + EXTRA[world]]
+       for world, layouts in ((8, L8), (4, L4), (2, L2))}
 
 
 @pytest.fixture(scope="module")
 def runs():
     out = {}
     for layouts, world, steps in ((L8, 8, LONG), (L4, 4, SHORT), (L2, 2, SHORT)):
-        results = launch(_run_layouts, world, layouts, [steps] * len(layouts), timeout=400)
-        for i, layout in enumerate(layouts):
+        sgd = SGD[world]
+        results = launch(_run_layouts, world, layouts + sgd,
+                         [steps] * len(layouts) + [SGD_STEPS] * len(sgd), timeout=400)
+        for i, layout in enumerate(layouts + sgd):
             out[str(layout)] = (layout, [r[i] for r in results])
     out["reference"] = single_process_losses(CFG, LONG, BATCH, LR, SEED)
+    out["sgd reference"] = single_process_losses(CFG, SGD_STEPS, BATCH, SGD_LR, SEED,
+                                                 optimizer="sgd")
     return out
 
 
 ALL = L8 + L4 + L2
+ALL_SGD = SGD[8] + SGD[4] + SGD[2]
 
 
 @pytest.mark.parametrize("layout", ALL, ids=layout_id)
@@ -149,10 +172,22 @@ def test_loss_curve_equals_the_single_process(runs, layout):
     _, ranks = runs[str(layout)]
     ref = runs["reference"]
     for rank in ranks:  # every rank reports the same global loss
+        assert "error" not in rank, f"{layout}: {rank.get('error')}"
         got = rank["losses"]
         delta = max(abs(a - b) for a, b in zip(got, ref))
         assert delta <= 1e-4, f"{layout}: max |Δloss| = {delta:.2e} over {len(got)} steps"
     assert ref[-1] < ref[0] - 0.5  # and it really trained
+
+
+@pytest.mark.parametrize("layout", ALL_SGD, ids=layout_id)
+def test_sgd_lr_1_losses_equal_the_single_process(runs, layout):
+    _, ranks = runs[str(layout)]
+    ref = runs["sgd reference"]
+    for rank in ranks:
+        assert "error" not in rank, f"{layout}: {rank.get('error')}"
+        delta = max(abs(a - b) for a, b in zip(rank["losses"], ref))
+        assert delta <= 1e-5, f"{layout}: max |Δloss| = {delta:.2e} with SGD, lr = 1"
+    assert min(abs(x - y) for x, y in zip(ref, ref[1:])) > 0.05  # each step moves the loss
 
 
 def _expected_counts(layout, coords):
@@ -277,6 +312,33 @@ def test_command_logs_and_resumes_bit_exactly(tmp_path, layout):
     ref = single_process_losses(CFG, 4, BATCH, LR, SEED)
     assert max(abs(r["loss"] - x) for r, x in zip(a, ref)) <= 1e-4
     assert sorted(os.listdir(ck)) == ["step_00000002", "step_00000004"]
+
+
+TINY = ["--n-layer", "2", "--n-head", "2", "--d-model", "16", "--vocab-size", "16",
+        "--seq-len", "8", "--batch-size", "4"]
+
+
+@pytest.mark.parametrize("layout", [["--nproc", "2", "--dp", "2", "--zero", "3"],
+                                    ["--nproc", "4", "--dp", "2", "--tp", "2", "--zero", "3"],
+                                    ["--nproc", "4", "--dp", "2", "--tp", "2", "--zero", "3",
+                                     "--sequence-parallel"]],
+                         ids=["dp2-zero3", "dp2-tp2-zero3", "dp2-tp2-sp-zero3"])
+def test_zero3_resumes_bit_exactly(tmp_path, layout):
+    """Issue 26: under ZeRO-3 the module's parameters are views of freed storage; a checkpoint
+    of model.state_dict() could not be read back. 2 steps + checkpoint + 2 resumed steps must
+    log the very losses of 4 straight steps."""
+    common = [*layout, *TINY, "--no-progress"]
+    full, part, ck = tmp_path / "full.jsonl", tmp_path / "part.jsonl", tmp_path / "ck"
+    assert main([*common, "--steps", "4", "--log-file", str(full)]) == 0
+    assert main([*common, "--steps", "2", "--log-file", str(part), "--checkpoint-dir", str(ck)]) == 0
+    assert main([*common, "--steps", "4", "--log-file", str(part), "--checkpoint-dir", str(ck),
+                 "--resume"]) == 0
+    a, b = _log(full), _log(part)
+    assert [r["step"] for r in b] == list(range(4))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]  # bit for bit
+    tiny = GPTConfig(vocab_size=16, seq_len=8, n_layer=2, n_head=2, d_model=16)
+    ref = single_process_losses(tiny, 4, 4, LR, SEED)
+    assert max(abs(r["loss"] - x) for r, x in zip(a, ref)) <= 1e-5
 
 
 def test_corrupt_checkpoint_and_other_layout_are_clear_errors(tmp_path, capsys):

@@ -24,7 +24,7 @@ from torch import nn
 
 from minitrain.context_parallel.layout import shard_positions, shard_sequence
 from minitrain.context_parallel.ring import ring_attention
-from minitrain.model import GPT, dropout, lm_loss, set_attention_fn
+from minitrain.model import GPT, lm_loss, set_attention_fn
 
 
 class ContextParallelGPT(nn.Module):
@@ -51,19 +51,22 @@ class ContextParallelGPT(nn.Module):
             return ring_attention(q, k, v, causal=causal, group=group, layout=layout)
 
         set_attention_fn(module, attention)
+        # the module's own embed, bound now: a composition may point ``module.embed`` here
+        self._module_embed = module.embed
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a ``(batch, N)`` tensor (the sequence is dimension -1)."""
         return shard_sequence(x.unsqueeze(-1), self.group, self.layout).squeeze(-1)
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """The module's own embedding at this shard's positions (a tensor-parallel module
+        with sequence parallelism keeps its 1/t of them, so CP composes with TP + SP)."""
         m = self.module
         seq_len = idx.shape[1] * self.world_size
         if seq_len > m.config.seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds config.seq_len={m.config.seq_len}")
         pos = shard_positions(seq_len, self.rank, self.world_size, self.layout).to(idx.device)
-        x = m.tok_emb(idx) + m.pos_emb(pos)
-        return dropout(x, m.config.dropout, self.training)
+        return self._module_embed(idx, positions=pos)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.module.logits(self.module.run_blocks(self.embed(idx)))

@@ -24,7 +24,6 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
-import torch.distributed
 import torch.nn.functional as F
 from torch import nn
 
@@ -40,6 +39,7 @@ from minitrain.tensor_parallel.layers import (
 from minitrain.tensor_parallel.mappings import (
     copy_to_parallel_region,
     gather_from_sequence_parallel_region,
+    split,
 )
 from minitrain.tensor_parallel.random import TensorParallelRNG
 
@@ -71,15 +71,20 @@ class TensorParallelGPT(GPT):
     """The GPT after ``apply_tensor_parallel``: ``model(idx)`` returns this rank's
     vocabulary slice of the logits; ``model.loss(idx, targets)`` the full loss."""
 
-    def embed(self, idx):
+    def embed(self, idx, positions=None):
+        """``positions``: where ``idx``'s tokens sit (default 0..s-1; under context
+        parallelism the CP shard's, which sequence parallelism cuts further, as Megatron-Core
+        cuts a CP shard over the TP ranks in the SP regions)."""
         if not self.sequence_parallel:
-            return super().embed(idx)  # tok_emb all-reduces its partial embeddings
+            return super().embed(idx, positions)  # tok_emb all-reduces its partial embeddings
         s = idx.shape[1]
         divide(s, self.tp_size, "positions of the sequence (sequence parallelism)")
         x = self.tok_emb(idx)  # reduce-scattered: this rank's shard of the sequence
-        shard = s // self.tp_size  # this rank's positions: its shard of the sequence
-        start = shard * torch.distributed.get_rank(self.tp_group) if self.tp_size > 1 else 0
-        pos = torch.arange(start, start + shard, device=idx.device)
+        if positions is None:
+            positions = torch.arange(s, device=idx.device)
+        # this rank's positions: its contiguous 1/t of them, the rows tok_emb kept (a copy:
+        # the lookup saves it for backward, and a view would keep all s positions alive)
+        pos = split(positions, 0, self.tp_group).clone()
         # the position table is replicated but each rank reads only its positions: f sums
         # the table's gradient across the group, as for the LayerNorms
         table = copy_to_parallel_region(self.pos_emb.weight, self.tp_group)
