@@ -152,12 +152,8 @@ class ParallelGPT:
 
     def state(self) -> dict:
         """What a checkpoint must hold to continue bit-exactly: weights, optimizer, RNG."""
-<<<<<<< HEAD
-        out = {"model": self.model.state_dict(), "rng": torch.get_rng_state(),
+        out = {"model": self.model_state(), "rng": torch.get_rng_state(),
                "tp_rng": rng_state_dict(self.model)}  # TP dropout's per-rank streams
-=======
-        out = {"model": self.model_state(), "rng": torch.get_rng_state()}
->>>>>>> compose-fixes
         if isinstance(self.wrapped, ZeroDataParallel):  # its shards and its inner optimizer
             out["shards"] = [u.master.detach().clone() for u in self.wrapped.live_units()]
             out["optimizer"] = self.wrapped.optimizer.state_dict()
