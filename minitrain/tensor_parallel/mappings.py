@@ -27,23 +27,24 @@ import torch
 import torch.distributed as dist
 
 from minitrain.runtime import trace
+from minitrain.runtime.communication_log import COMMUNICATION_LOG
 
 SEQUENCE_DIM = 1  # the course's activations are (batch, sequence, hidden)
 
-# (collective, bytes of the logical message, bytes one rank sends on a ring). The ring
-# column follows chapter 4: an all-reduce sends 2(t-1)/t of the message, an all-gather
-# or a reduce-scatter (t-1)/t of the full tensor.
-_log: list[tuple[str, int, int]] = []
+# Every collective below is recorded in the runtime's one communication log: bytes of the
+# logical message, and bytes one rank sends on a ring, following chapter 4: an all-reduce
+# sends 2(t-1)/t of the message, an all-gather or a reduce-scatter (t-1)/t of the full tensor.
+SOURCE = "tp"
 
 
 def communication_log() -> list[tuple[str, int, int]]:
     """The collectives run in this process since the last reset: (name, message bytes,
     ring bytes sent per rank)."""
-    return list(_log)
+    return [(r.kind, r.message_bytes, r.sent_bytes) for r in COMMUNICATION_LOG.records(SOURCE)]
 
 
 def reset_communication_log() -> None:
-    _log.clear()
+    COMMUNICATION_LOG.reset(SOURCE)
 
 
 def _world(group) -> int:
@@ -53,7 +54,7 @@ def _world(group) -> int:
 def _record(name: str, full: torch.Tensor, ring_factor: float, group) -> None:
     t = _world(group)
     message = full.numel() * full.element_size()
-    _log.append((name, message, round(ring_factor * (t - 1) / t * message)))
+    COMMUNICATION_LOG.record(SOURCE, name, round(ring_factor * (t - 1) / t * message), message, t)
 
 
 def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
