@@ -212,7 +212,6 @@ def test_contract_names_import_from_their_documented_modules():
 # offers for it (GPT.loss_fn, block_loop, shard_rng) — never by changing an object's class,
 # overwriting a method on an instance, or calling another class's method on ``self``.
 TREES = {path: ast.parse(path.read_text()) for path in MODULES.values()}
-METHODS = ast.FunctionDef, ast.AsyncFunctionDef
 
 
 def _walk_with_class(node, cls=None):
@@ -238,7 +237,7 @@ def _assigned_attributes(node):
 
 
 def _own_methods(cls) -> set[str]:
-    return {f.name for f in cls.body if isinstance(f, METHODS)}
+    return {f.name for f in cls.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)}
 
 
 def _method_and_data_names():
@@ -274,8 +273,7 @@ def test_no_object_changes_class():
 
 def test_no_method_overwritten_on_an_instance():
     methods, data = _method_and_data_names()
-    only_methods = methods - data
-    bad = []
+    only_methods, bad = methods - data, []
     for path, tree in TREES.items():
         for node, cls in _walk_with_class(tree):
             for holder, name in _assigned_attributes(node):
@@ -289,23 +287,19 @@ def test_no_method_overwritten_on_an_instance():
 
 
 def test_no_method_borrowed_from_an_unrelated_class():
-    """``Other.method(self, ...)`` in a class not derived from ``Other`` (super() is fine; a
-    builtin such as ``tuple.__getitem__(self, i)`` in a NamedTuple calls the real base)."""
-    builtin = set(dir(builtins))
+    """``Other.method(self, ...)`` in a class not derived from ``Other`` (super() is fine, and
+    a builtin: ``tuple.__getitem__(self, i)`` in a NamedTuple calls its real base)."""
     bad = []
     for path, tree in TREES.items():
         for node, cls in _walk_with_class(tree):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                    and node.args and isinstance(node.args[0], ast.Name)
-                    and node.args[0].id == "self"):
+                    and node.args and ast.unparse(node.args[0]) == "self"):
                 continue
-            owner = node.func.value
-            name = owner.id if isinstance(owner, ast.Name) else \
-                owner.attr if isinstance(owner, ast.Attribute) else None
-            bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", None)
-                     for b in (cls.bases if cls else [])}
-            if name and name != "self" and name not in bases and name not in builtin:
-                bad.append(f"{_where(path, node)}: {ast.unparse(node.func)}(self, ...) in "
+            owner = ast.unparse(node.func.value)  # a class: Name or module.Name
+            bases = {ast.unparse(b).split(".")[-1] for b in (cls.bases if cls else [])}
+            name = owner.split(".")[-1]
+            if owner.split(".")[0] != "self" and name not in bases | set(dir(builtins)):
+                bad.append(f"{_where(path, node)}: {owner}.{node.func.attr}(self, ...) in "
                            f"{cls.name if cls else 'a function'}")
     assert not bad, "methods borrowed from classes the caller does not derive from:\n" + \
         "\n".join(bad)

@@ -131,7 +131,7 @@ SP, ALWAYS = True, False  # a row for sequence parallelism only, or for every ru
 
 # What replaces each module of the course's GPT ("*": in every block), in the order applied.
 PLAN = (
-    # path                   style             only with SP?
+    # path                      style            only with SP?
     ("blocks.*.ln_1",          "sequence_norm",  SP),  # on this rank's tokens
     ("blocks.*.attn",          "attention",      ALWAYS),  # the input enters once for q, k, v
     ("blocks.*.attn.q_proj",   "column_entered", ALWAYS),  # this rank's heads
