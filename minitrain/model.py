@@ -14,7 +14,9 @@ Built to be taken apart:
   ``out_proj`` Linear (separate, not fused: a column-parallel split of each then
   gives every rank whole heads), and an ``attention_fn`` attribute, by default
   ``naive_attention``, which flash attention replaces;
-- ``MLP`` has ``fc_in`` and ``fc_out`` Linears (tensor parallelism swaps them).
+- ``MLP`` has ``fc_in`` and ``fc_out`` Linears (tensor parallelism replaces them);
+- ``GPT`` has three plain attributes later chapters set instead of subclassing it:
+  ``loss_fn``, ``block_loop`` and ``shard_rng`` (see ``GPT.__init__``).
 
 The LM head is untied from the token embedding by default (``tie_weights=False``):
 with tied weights a pipeline would have to all-reduce the shared matrix between its
@@ -25,6 +27,7 @@ torch so its saved mask is a 1-byte bool on every device (see minitrain.memory).
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -174,11 +177,13 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only language model: ``logits(blocks(embed(idx)))``.
+    """Decoder-only language model: ``logits(run_blocks(embed(idx)))``.
 
-    ``forward(idx)`` returns logits of shape (batch, seq, vocab); the loss is
-    ``lm_loss(logits, targets)``. ``embed`` and ``logits`` are separate methods so a
+    ``forward(idx)`` returns logits of shape (batch, seq, vocab); ``loss(idx, targets)`` is
+    ``loss_fn(logits, targets)``. ``embed`` and ``logits`` are separate methods so a
     pipeline's first and last stages can call them around their share of ``blocks``.
+    Later chapters replace its modules (``pos_emb`` is called with the positions) and set the
+    attributes at the end of ``__init__``; none subclasses or patches it.
     """
 
     def __init__(self, config: GPTConfig, attention_fn=None):
@@ -192,6 +197,11 @@ class GPT(nn.Module):
         if config.tie_weights:
             self.head.weight = self.tok_emb.weight
         self.apply(self._init_weights)
+        # Extension points: plain attributes later chapters set.
+        self.loss_fn = lm_loss  # (logits, targets) -> loss; chapter 6 sets the vocab-parallel one
+        self.block_loop = None  # or (blocks, x) -> x instead of the plain loop: chapter 3
+        self.shard_rng = None  # or a stream forward runs embed and blocks in, when dropout acts
+        # on this rank's own shard of the sequence (chapter 6, sequence parallelism)
 
     @staticmethod
     def _init_weights(module):
@@ -217,17 +227,22 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
     def run_blocks(self, x: torch.Tensor) -> torch.Tensor:
-        """The blocks in order. Chapter 3's checkpointing policies replace this one step."""
+        """The blocks in order, or ``block_loop``'s way (chapter 3's checkpointing policies)."""
+        if self.block_loop is not None:
+            return self.block_loop(self.blocks, x)
         for block in self.blocks:
             x = block(x)
         return x
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.logits(self.run_blocks(self.embed(idx)))
+        shards = nullcontext() if self.shard_rng is None else self.shard_rng.fork(idx.device)
+        with shards:
+            x = self.run_blocks(self.embed(idx))
+        return self.logits(x)
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of ``targets`` given ``idx``."""
-        return lm_loss(self(idx), targets)
+        return self.loss_fn(self(idx), targets)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

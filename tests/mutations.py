@@ -706,9 +706,9 @@ MUTATIONS = [
     ),
     Mutation(
         "tensor_parallel: SP+CP positions 0..n-1 (the CP shard's positions ignored)",
-        "minitrain/tensor_parallel/apply.py",
-        "        if positions is None:\n            positions = torch.arange(s, device=idx.device)\n",
-        "        positions = torch.arange(s, device=idx.device)\n",
+        TP_APPLY,
+        "        pos = split(positions, 0, self.group).clone()\n",
+        "        pos = split(torch.arange(len(positions), device=positions.device), 0, self.group)\n",
         ["tests/test_train.py::test_loss_curve_equals_the_single_process"
          "[tp2-cp2-sequence_parallelTrue-microbatches2]"],
     ),
@@ -729,10 +729,18 @@ MUTATIONS = [
     ),
     Mutation(
         "tensor_parallel: LayerNorm gradients summed over TP without SP (t times; AdamW cancels)",
-        "minitrain/tensor_parallel/apply.py",
-        "        if sp:\n            _to_sequence_parallel(block.ln_1, group)",
-        "        if True:\n            _to_sequence_parallel(block.ln_1, group)",
+        TP_APPLY,
+        '("blocks.*.ln_1",          "sequence_norm",  SP)',
+        '("blocks.*.ln_1",          "sequence_norm",  ALWAYS)',
         ["tests/test_train.py::test_sgd_lr_1_losses_equal_the_single_process[dp2-tp2-optimizersgd]"],
+    ),
+    Mutation(
+        "tensor parallel plan: a LayerNorm left dense under SP (its gradients not summed)",
+        TP_APPLY,
+        '    ("blocks.*.ln_2",          "sequence_norm",  SP),\n',
+        "",
+        [f"{TP_TESTS}::test_forward_loss_and_every_gradient_match_dense[tp+sp-2]",
+         "tests/grading/test_ch06_bughunt.py"],
     ),
     Mutation(
         "pipeline: gradients summed, not averaged, over DP (AdamW cancels it)",

@@ -307,9 +307,10 @@ def test_set_checkpointing_is_reversible_and_validates(gpt):
     set_checkpointing(m, "full")
     assert list(m.state_dict()) == keys
     assert m.blocks[0].attn.attention_fn is naive_attention
-    assert "run_blocks" in vars(m) and "forward" not in vars(m)  # only the block loop changes
+    assert m.block_loop is not None  # only the block loop changes, no method of the model
+    assert not {"run_blocks", "forward"} & set(vars(m))
     set_checkpointing(m, "none")
-    assert "run_blocks" not in vars(m)
+    assert m.block_loop is None
     with pytest.raises(ValueError, match="'partial'"):
         set_checkpointing(m, "partial")
     with pytest.raises(ValueError, match="0"):
@@ -336,16 +337,15 @@ def _torch_policy(model, policy, k):
         set_attention_fn(model, attention)
     elif policy == "full":
 
-        def forward(idx):
-            x = model.embed(idx)
-            for block in model.blocks:
+        def every_block(blocks, x):
+            for block in blocks:
                 x = torch_checkpoint(block, x, use_reentrant=True)
-            return model.logits(x)
+            return x
 
-        model.forward = forward
+        model.block_loop = every_block
     else:
-        model.forward = lambda idx: model.logits(
-            torch_checkpoint_sequential(model.blocks, k, model.embed(idx), use_reentrant=True)
+        model.block_loop = lambda blocks, x: torch_checkpoint_sequential(
+            blocks, k, x, use_reentrant=True
         )
     return model
 

@@ -4,6 +4,7 @@ Read from the source with ``ast``, so each rule names the file and line that bre
 """
 
 import ast
+import builtins
 import subprocess
 import sys
 import textwrap
@@ -204,3 +205,101 @@ def test_contract_names_import_from_their_documented_modules():
         mod = importlib.import_module(module)
         missing = [n for n in names if n not in vars(mod)]
         assert not missing, f"{module} lacks {missing}"
+
+
+# ------------------------------------------------- techniques joined by functions (issue 27)
+# A technique changes a model by replacing its submodules and setting the attributes the model
+# offers for it (GPT.loss_fn, block_loop, shard_rng) — never by changing an object's class,
+# overwriting a method on an instance, or calling another class's method on ``self``.
+TREES = {path: ast.parse(path.read_text()) for path in MODULES.values()}
+
+
+def _walk_with_class(node, cls=None):
+    """(node, the class it is written in, or None) for every node under ``node``, in order."""
+    yield node, cls
+    inner = node if isinstance(node, ast.ClassDef) else cls
+    for child in ast.iter_child_nodes(node):
+        yield from _walk_with_class(child, inner)
+
+
+def _assigned_attributes(node):
+    """The ``x.name`` targets an assignment writes (through tuples too), and setattr's."""
+    if isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for t in targets:
+            for e in t.elts if isinstance(t, ast.Tuple | ast.List) else [t]:
+                if isinstance(e, ast.Attribute):
+                    yield e.value, e.attr
+    elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+          and node.func.id == "setattr" and len(node.args) == 3
+          and isinstance(node.args[1], ast.Constant)):
+        yield node.args[0], node.args[1].value
+
+
+def _own_methods(cls) -> set[str]:
+    return {f.name for f in cls.body if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)}
+
+
+def _method_and_data_names():
+    """Names some minitrain class defines as a method, and names used as data: written on
+    ``self`` (or an autograd ``ctx``) in a class that has no such method, or class-level."""
+    methods, data = set(), set()
+    for tree in TREES.values():
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            own = _own_methods(cls)
+            methods |= own
+            for node in ast.walk(cls):
+                for holder, name in _assigned_attributes(node):
+                    if isinstance(holder, ast.Name) and holder.id in ("self", "ctx") \
+                            and name not in own:
+                        data.add(name)
+            data |= {t.id for n in cls.body if isinstance(n, ast.Assign | ast.AnnAssign)
+                     for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                     if isinstance(t, ast.Name)}
+    return methods, data
+
+
+def _where(path, node) -> str:
+    return f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+
+
+def test_no_object_changes_class():
+    bad = [f"{_where(path, node)}: {ast.unparse(holder)}.__class__ = ..."
+           for path, tree in TREES.items() for node, _ in _walk_with_class(tree)
+           for holder, name in _assigned_attributes(node) if name == "__class__"]
+    assert not bad, "objects whose class is changed (replace the module instead):\n" + \
+        "\n".join(bad)
+
+
+def test_no_method_overwritten_on_an_instance():
+    methods, data = _method_and_data_names()
+    only_methods, bad = methods - data, []
+    for path, tree in TREES.items():
+        for node, cls in _walk_with_class(tree):
+            for holder, name in _assigned_attributes(node):
+                on_self = isinstance(holder, ast.Name) and holder.id == "self"
+                if (name in only_methods and not on_self) or (
+                        on_self and cls is not None and name in _own_methods(cls)):
+                    bad.append(f"{_where(path, node)}: {ast.unparse(holder)}.{name} = ... "
+                               f"({name} is a method)")
+    assert not bad, "methods overwritten on an instance (give the class an attribute for " \
+        "what varies, or replace a submodule):\n" + "\n".join(bad)
+
+
+def test_no_method_borrowed_from_an_unrelated_class():
+    """``Other.method(self, ...)`` in a class not derived from ``Other`` (super() is fine, and
+    a builtin: ``tuple.__getitem__(self, i)`` in a NamedTuple calls its real base)."""
+    bad = []
+    for path, tree in TREES.items():
+        for node, cls in _walk_with_class(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.args and ast.unparse(node.args[0]) == "self"):
+                continue
+            owner = ast.unparse(node.func.value)  # a class: Name or module.Name
+            bases = {ast.unparse(b).split(".")[-1] for b in (cls.bases if cls else [])}
+            name = owner.split(".")[-1]
+            if owner.split(".")[0] != "self" and name not in bases | set(dir(builtins)):
+                bad.append(f"{_where(path, node)}: {owner}.{node.func.attr}(self, ...) in "
+                           f"{cls.name if cls else 'a function'}")
+    assert not bad, "methods borrowed from classes the caller does not derive from:\n" + \
+        "\n".join(bad)

@@ -3,7 +3,8 @@
 Chapter 3, notebooks/03_activation_checkpointing.ipynb. "full" and "every_k" checkpoint
 groups of blocks, "segments" is Chen et al. 2016's sqrt(L) split, "selective" recomputes
 only the attention core (Korthikanti et al. 2022, section 5). The GPT lets us replace its
-block loop (``run_blocks``) and each attention's ``attention_fn`` without copying the model.
+block loop (its ``block_loop`` attribute) and each attention's ``attention_fn`` without
+copying the model.
 """
 
 from __future__ import annotations
@@ -25,23 +26,26 @@ class _CheckpointedAttention:
         return checkpoint(self.inner, q, k, v, causal, dropout_p, training)
 
 
-def _blocks_in_groups(model, sizes, last_checkpointed):
-    """A ``run_blocks`` for the GPT: the blocks in groups of ``sizes``, each group checkpointed
-    (the last one only if ``last_checkpointed``)."""
-    blocks = list(model.blocks)
+class BlocksInGroups:
+    """A ``block_loop`` for the GPT (``(blocks, x) -> x``): the blocks in groups of ``sizes``,
+    each group checkpointed (the last one only if ``last_checkpointed``)."""
 
-    def run_blocks(x):
-        start = 0
-        for i, size in enumerate(sizes):
+    def __init__(self, sizes: list[int], last_checkpointed: bool):
+        self.sizes, self.last_checkpointed = sizes, last_checkpointed
+
+    def __call__(self, blocks, x):
+        blocks, start = list(blocks), 0
+        for i, size in enumerate(self.sizes):
             group = blocks[start : start + size]
             run = run_in_order(group)
-            plain = i == len(sizes) - 1 and not last_checkpointed
+            plain = i == len(self.sizes) - 1 and not self.last_checkpointed
             # the blocks' dropout streams and router statistics: replayed in the recompute
             x = run(x) if plain else checkpoint(run, x, states=forward_states(*group))
             start += size
         return x
 
-    return run_blocks
+    def __repr__(self) -> str:
+        return f"BlocksInGroups(sizes={self.sizes}, last_checkpointed={self.last_checkpointed})"
 
 
 def set_checkpointing(model: nn.Module, policy: str = "full", k: int = 1) -> nn.Module:
@@ -56,10 +60,10 @@ def set_checkpointing(model: nn.Module, policy: str = "full", k: int = 1) -> nn.
     The model's parameters and ``state_dict`` are unchanged; ``set_checkpointing(model,
     "none")`` undoes it.
     """
-    if not all(hasattr(model, n) for n in ("blocks", "run_blocks")):
+    if not all(hasattr(model, n) for n in ("blocks", "block_loop")):
         raise TypeError(f"set_checkpointing needs minitrain's GPT, got {type(model).__name__}")
     check_policy(policy, k, len(model.blocks))
-    model.__dict__.pop("run_blocks", None)  # an instance attribute shadows GPT.run_blocks
+    model.block_loop = None  # the plain loop, unless the policy below sets its own
     for attn in model.modules():
         if isinstance(attn, CausalSelfAttention) and isinstance(
             attn.attention_fn, _CheckpointedAttention
@@ -69,10 +73,10 @@ def set_checkpointing(model: nn.Module, policy: str = "full", k: int = 1) -> nn.
     if policy in ("full", "every_k"):
         size = 1 if policy == "full" else k
         sizes = [min(size, num_layers - s) for s in range(0, num_layers, size)]
-        model.run_blocks = _blocks_in_groups(model, sizes, last_checkpointed=True)
+        model.block_loop = BlocksInGroups(sizes, last_checkpointed=True)
     elif policy == "segments":
         sizes = segment_sizes(num_layers, k)
-        model.run_blocks = _blocks_in_groups(model, sizes, last_checkpointed=False)
+        model.block_loop = BlocksInGroups(sizes, last_checkpointed=False)
     elif policy == "selective":
         for attn in model.modules():
             if isinstance(attn, CausalSelfAttention):

@@ -81,7 +81,7 @@ class PipelineStage(nn.Module):
         if getattr(model.config, "tie_weights", False) and p > 1:
             raise ValueError("tie_weights=True shares the head with the embedding, which live "
                              f"on stages 0 and {p - 1}: build the model with tie_weights=False")
-        if "run_blocks" in vars(model):  # set_checkpointing(model) ran: its loop spans all blocks
+        if getattr(model, "block_loop", None) is not None:  # set_checkpointing(model): one loop
             raise ValueError("the model's blocks are already checkpointed as one loop; build the "
                              "stage from the plain model and pass checkpointing=<policy>, which "
                              "applies it to each chunk of this stage")
@@ -166,9 +166,10 @@ class PipelineStage(nn.Module):
         Returns (the activation its blocks started from — ``x``, or the embedding on the
         first virtual stage — and the output: on the last virtual stage, the loss / m)."""
         module = self.chunks[chunk]
-        sp = getattr(self.model, "sequence_parallel", False)  # dropout on shards: own stream
+        # as the GPT's forward: dropout on this rank's shard of the sequence on its own stream
+        rng = getattr(self.model, "shard_rng", None)
         with trace.span(f"F{mb}" + (f".{chunk}" if self.num_chunks > 1 else ""), "compute"):
-            with self.model.tp_rng.fork(x.device) if sp else nullcontext():
+            with nullcontext() if rng is None else rng.fork(x.device):
                 if module.first:
                     x = module.embed(x)
                 out = module(x)

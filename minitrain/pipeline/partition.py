@@ -3,8 +3,9 @@
 Chapter 7, notebooks/07_pipeline_parallel.ipynb. ``split_blocks`` spreads ``L`` blocks over
 ``V = p * v`` virtual stages as evenly as possible (the first ``L mod V`` get one extra: the
 last stage already carries the head and the loss); ``StageChunk`` is one virtual stage — its
-blocks as ``.blocks`` with a ``run_blocks`` loop (so chapter 3's ``set_checkpointing`` applies
-to it), the embedding if it is the first, the head and the loss if it is the last. GPipe
+blocks as ``.blocks`` with a ``run_blocks`` loop and a ``block_loop`` (so chapter 3's
+``set_checkpointing`` applies to it), the embedding if it is the first, the head and the
+model's loss if it is the last. GPipe
 (Huang et al. 2019, section 2.1) and Megatron-LM (Narayanan et al. 2021, section 2.2) split
 the layers the same way.
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 from torch import nn
 
 from minitrain.model import lm_loss
-from minitrain.tensor_parallel import vocab_parallel_cross_entropy
 
 
 def split_blocks(num_layers: int, num_virtual_stages: int) -> list[range]:
@@ -32,16 +32,19 @@ def split_blocks(num_layers: int, num_virtual_stages: int) -> list[range]:
 
 
 class StageChunk(nn.Module):
-    """One virtual stage: its blocks (``.blocks``, ``run_blocks`` — so chapter 3's
-    ``set_checkpointing`` applies to it), plus the embedding if first, the head if last."""
+    """One virtual stage: its blocks (``.blocks``, ``run_blocks``, ``block_loop`` — so chapter
+    3's ``set_checkpointing`` applies to it), plus the embedding if first, the head if last."""
 
     def __init__(self, gpt: nn.Module, indices: range, first: bool, last: bool):
         super().__init__()
         self.blocks = nn.ModuleList(gpt.blocks[i] for i in indices)
         self.__dict__["gpt"] = gpt  # not a submodule: the stage owns the parameters once
         self.first, self.last = first, last
+        self.block_loop = None  # as the GPT's: chapter 3's checkpointing policies set it
 
     def run_blocks(self, x):
+        if self.block_loop is not None:
+            return self.block_loop(self.blocks, x)
         for block in self.blocks:
             x = block(x)
         return x
@@ -56,7 +59,5 @@ class StageChunk(nn.Module):
         return self.run_blocks(x)
 
     def loss(self, h, targets):
-        logits = self.gpt.logits(h)
-        if hasattr(self.gpt, "tp_size"):  # tensor-parallel head: this rank's vocabulary slice
-            return vocab_parallel_cross_entropy(logits, targets, self.gpt.tp_group)
-        return lm_loss(logits, targets)
+        # the GPT's own loss (tensor parallelism's is over this rank's vocabulary slice)
+        return getattr(self.gpt, "loss_fn", lm_loss)(self.gpt.logits(h), targets)
