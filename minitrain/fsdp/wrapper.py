@@ -262,8 +262,8 @@ class FullyShardedDataParallel(ShardedUnits):
             if not u.keep_full:
                 flat = torch.empty(u.padded, dtype=flat.dtype, device=flat.device)
                 all_gather_tensor(flat, u.master.detach(), group=self._gather_group)
-            for k, (name, p) in enumerate(zip(u.names, u.params)):
-                out[name] = u.slot(flat, k).view(p.shape).clone()
+            for k, name in enumerate(u.names):
+                out[name] = u.slot(flat, k).view(u.shapes[k]).clone()
         for name, p in self._original:
             if name not in out:  # frozen parameters are not sharded
                 out[name] = p.detach().clone()
