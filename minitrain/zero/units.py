@@ -78,7 +78,8 @@ def guard_parameter_use(wrapper, units: list) -> None:
     there too.) Cost: one state check per unit a module owns, per call."""
     where = {id(p): (u, name) for u in units for name, p in zip(u.names, u.params)}
     module_names = {id(m): n for n, m in wrapper.module.named_modules()}
-    block_of = {id(u): module_names.get(id(b)) for b, u in zip(wrapper.blocks, wrapper.units)}
+    block_of = {id(u): _describe(module_names.get(id(b)), b)
+                for b, u in zip(wrapper.blocks, wrapper.units)}  # fmt: skip
     for m in wrapper.module.modules():
         mine = {}
         for t in list(m._parameters.values()) + list(vars(m).values()):
@@ -90,12 +91,18 @@ def guard_parameter_use(wrapper, units: list) -> None:
             m.register_forward_pre_hook(check)
 
 
+def _describe(name, block) -> str:
+    kind = type(block).__name__
+    never = f", an nn.{kind} whose forward never runs" if kind in ("ModuleList", "ModuleDict") else ""
+    return f"{name!r}{never}"
+
+
 def _check_gathered(who: str, owned: list, module, args) -> None:
     for u, names, block_name in owned:
         if u.state != "full":
             also = f" (and {', '.join(map(repr, names[1:]))})" if len(names) > 1 else ""
             where = (
-                f"unit {u.name!r} (module {block_name!r})" if block_name is not None
+                f"unit {u.name!r} (module {block_name})" if block_name is not None
                 else "the root unit (parameters outside every unit: gathered only during "
                 "the wrapper's forward)"
             )
@@ -108,7 +115,7 @@ def _check_gathered(who: str, owned: list, module, args) -> None:
             )
 
 
-def note_ungathered(exc: Exception, wrapper, limit: int = 8) -> None:
+def note_ungathered(exc: Exception, wrapper, limit: int = 32) -> None:
     """Add to an error raised inside the wrapped forward the parameters that were not gathered
     at that moment (an op on one of them, read outside its module, fails with a shape error
     that cannot name it)."""
