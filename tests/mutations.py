@@ -597,6 +597,16 @@ MUTATIONS = [
         ],
     ),
     Mutation(
+        "issue 26: a gradient computed from a freed parameter's empty tensor goes unnoticed",
+        SHARED,
+        "        if param.grad.shape != u.shapes[k]:",
+        "        if False:",
+        [
+            "tests/test_sharded_units.py::test_a_parameter_used_while_its_unit_is_not_gathered_is_named[zero]",
+            "tests/test_sharded_units.py::test_a_parameter_used_while_its_unit_is_not_gathered_is_named[fsdp]",
+        ],
+    ),
+    Mutation(
         "issue 26: ZeRO-3 gathers in call order when ranks skip units (rank r: branch r)",
         ZERO,
         "class ZeroDataParallel(OrderedGathers):",

@@ -127,23 +127,33 @@ def test_default_units_are_modules_whose_forward_runs():
 
 # --------------------------------------------------------------------------- misuse is named
 class _ReadsAcross(Branched):
-    """Reads branch 1's weight in the root's forward, outside branch 1's own forward."""
+    """Reads a branch's weight in the root's forward, outside that branch's own forward:
+    ``read`` "prefetched" (branch 0's, whose gather is in flight as the trunk ends) or "sum"
+    (a penalty on branch 2's, freed: a reduction of nothing would silently be 0)."""
+
+    def __init__(self, read):
+        super().__init__("list", 3)
+        self.read = read
 
     def forward(self, x, branch):
-        return F.linear(self.trunk(torch.tanh(self.inp(x))), self.branches[1].weight) * self.gain
+        h = self.trunk(torch.tanh(self.inp(x)))
+        if self.read == "prefetched":
+            return F.linear(h, self.branches[0].weight) * self.gain
+        return self.branch(branch)(h) * self.gain + self.branches[2].weight.pow(2).sum()
 
 
 def _misuse(which, how):
-    """The message each rank gets: ``how`` "units" (the branches' ModuleList given as a unit:
-    its forward never runs) or "read" (a parameter read outside its unit's forward)."""
+    """(error type, message with notes) on this rank: ``how`` "units" (the branches'
+    ModuleList given as a unit: its forward never runs), or ``_ReadsAcross``'s reads."""
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = (Branched if how == "units" else _ReadsAcross)("list", 3).double()
+    model = (Branched("list", 3) if how == "units" else _ReadsAcross(how)).double()
     units = [model.inp, model.trunk, model.branches] if how == "units" else None
-    wrapped, _, _ = _wrap(which, model, "sgd", units)
-    x, _ = _batch(0, rank, 2)
+    wrapped, _, finish = _wrap(which, model, "sgd", units)
+    x, y = _batch(0, rank, 2)
     try:
-        wrapped(x, rank)
+        _mse(wrapped(x, rank), y).backward()
+        finish()
     except RuntimeError as exc:
         return type(exc).__name__, "\n".join([str(exc), *getattr(exc, "__notes__", [])])
     return None, "no error"
@@ -155,7 +165,11 @@ def test_a_parameter_used_while_its_unit_is_not_gathered_is_named(which):
         # the module that uses it checks: the precise parameter, in named_parameters() terms
         assert kind == "UngatheredParameterError", message
         assert f"parameter 'branches.{rank}.weight'" in message, message
-    for kind, message in launch(_misuse, 2, which, "read", timeout=120):
-        # read directly, it holds no data (an op fails, never computes on freed memory); the
-        # error lists what was not gathered
-        assert kind is not None and "branches.1.weight" in message, message
+    for kind, message in launch(_misuse, 2, which, "prefetched", timeout=120):
+        # read directly while its gather is in flight: it holds no data yet, the op fails
+        # (never computes on a buffer being written); the error lists what was not gathered
+        assert kind is not None and "branches.0.weight" in message, message
+    for kind, message in launch(_misuse, 2, which, "sum", timeout=120):
+        # a reduction of nothing runs (it is 0), but its gradient gives it away in backward
+        assert kind == "UngatheredParameterError", message
+        assert "parameter 'branches.2.weight'" in message, message

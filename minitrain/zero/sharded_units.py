@@ -29,6 +29,7 @@ from minitrain.zero.units import (  # noqa: F401 (split_into_units: imported fro
     guard_parameter_use,
     note_ungathered,
     split_into_units,
+    ungathered_gradient_error,
 )
 
 
@@ -183,6 +184,8 @@ class ShardedUnits(nn.Module):
         reduce-scatters, in order."""
         self._arm_callback()
         u, k = self._where[param]
+        if param.grad.shape != u.shapes[k]:  # computed from a freed parameter's empty tensor
+            raise ungathered_gradient_error(self, u, k, param.grad)
         if u.grad_full is None:  # allocated by the unit's first gradient, freed once reduced
             u.grad_full = self._new_grad_full(u)
         u.slot(u.grad_full, k).add_(param.grad.reshape(-1))

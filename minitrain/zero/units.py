@@ -127,3 +127,15 @@ def note_ungathered(exc: Exception, wrapper, limit: int = 32) -> None:
             f"gathered and held no data (zero elements): {', '.join(names[:limit])}{more}. If "
             f"the model reads one of them outside the forward of its unit, that is the cause.)"
         )
+
+
+def ungathered_gradient_error(wrapper, u, k: int, grad) -> UngatheredParameterError:
+    """The error for a gradient of the wrong shape: its parameter was read (outside its
+    module, e.g. a penalty ``w.pow(2).sum()``) while it held the empty tensor of a freed unit,
+    so the forward computed on nothing; backward is where that shows."""
+    return UngatheredParameterError(
+        f"{type(wrapper).__name__}: parameter {u.names[k]!r} was used while its unit "
+        f"{u.name!r} was not gathered: it held no data (zero elements), so what the forward "
+        f"computed from it is wrong, and its gradient has shape {list(grad.shape)}, not "
+        f"{list(u.shapes[k])}. Use a parameter only inside the forward of its unit's module."
+    )
