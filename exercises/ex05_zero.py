@@ -17,6 +17,7 @@ from minitrain.fsdp.clipping import clip_grad_norm_
 from minitrain.runtime import trace
 from minitrain.zero.accounting import count_sent, optimizer_state_tensors, storage_bytes
 from minitrain.zero.buffers import FlatUnit, all_gather_tensor, reduce_scatter_tensor, timed
+from minitrain.zero.gather_order import OrderedGathers
 from minitrain.zero.mixed_precision import attach_master, cast_inputs, cast_rest
 from minitrain.zero.sharded_units import ShardedUnits, split_into_units, tensors_requiring_grad
 
@@ -121,4 +122,4 @@ class FullyShardedDataParallel:
         # HINT: dist.all_reduce(tensor, group=..., async_op=True) returns a work handle too
         raise NotImplementedError("exercise: write FullyShardedDataParallel._launch_reduce_scatter (see its docstring)")
 
-# minitrain-exercises-hash: ddebd7f5510e0989
+# minitrain-exercises-hash: 9a44ddf9f2c66c9d

@@ -13,6 +13,7 @@ from minitrain.fsdp.clipping import clip_grad_norm_
 from minitrain.runtime import trace
 from minitrain.zero.accounting import count_sent, optimizer_state_tensors, storage_bytes
 from minitrain.zero.buffers import FlatUnit, all_gather_tensor, reduce_scatter_tensor, timed
+from minitrain.zero.gather_order import OrderedGathers
 from minitrain.zero.mixed_precision import attach_master, cast_inputs, cast_rest
 from minitrain.zero.sharded_units import ShardedUnits, split_into_units, tensors_requiring_grad
 
@@ -185,4 +186,4 @@ class FullyShardedDataParallel:
         self._pending.append((u, out, timed(work), start))
         ### END SOLUTION
 
-# minitrain-exercises-hash: ce3dd4b0014e0e93
+# minitrain-exercises-hash: e64fdedca6e1e88a

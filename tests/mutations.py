@@ -750,6 +750,67 @@ MUTATIONS = [
         ["tests/test_train.py::test_sgd_lr_1_losses_equal_the_single_process"
          "[dp2-tp2-pp2-microbatches2-optimizersgd]"],
     ),
+    # issue 26: ZeRO-3 / FSDP units when parameters sit in containers
+    Mutation(
+        "issue 26: stage-3 units from module.children() again (a ModuleList is a unit)",
+        "minitrain/zero/units.py",
+        "            if isinstance(child, CONTAINERS):\n"
+        "                visit(child.children())\n"
+        "            else:\n"
+        "                out.append(child)\n",
+        "            out.append(child)\n",
+        [
+            "tests/test_sharded_units.py::test_container_models_match_one_process[2]",
+            "tests/test_sharded_units.py::test_default_units_are_modules_whose_forward_runs",
+        ],
+    ),
+    Mutation(
+        "issue 26: no check of ungathered use (no pre-hook naming the parameter)",
+        SHARED,
+        "        guard_parameter_use(self, [u for u in self.live_units() if not u.keep_full])\n",
+        "",
+        [
+            "tests/test_sharded_units.py::test_a_parameter_used_while_its_unit_is_not_gathered_is_named[zero]",
+            "tests/test_sharded_units.py::test_a_parameter_used_while_its_unit_is_not_gathered_is_named[fsdp]",
+        ],
+    ),
+    Mutation(
+        "issue 26: freed parameters stay views of freed memory (no empty tensor)",
+        "minitrain/zero/buffers.py",
+        "        empty = self.full.new_empty(0)\n        for p in self.params:\n            p.data = empty\n",
+        "        pass\n",
+        [
+            "tests/test_sharded_units.py::test_a_parameter_used_while_its_unit_is_not_gathered_is_named[zero]",
+            "tests/test_sharded_units.py::test_a_parameter_used_while_its_unit_is_not_gathered_is_named[fsdp]",
+        ],
+    ),
+    Mutation(
+        "issue 26: a parameter read outside its unit's forward is not named in the error",
+        SHARED,
+        "                note_ungathered(exc, self)\n",
+        "                pass\n",
+        [
+            "tests/test_sharded_units.py::test_a_parameter_used_while_its_unit_is_not_gathered_is_named[zero]",
+            "tests/test_sharded_units.py::test_a_parameter_used_while_its_unit_is_not_gathered_is_named[fsdp]",
+        ],
+    ),
+    Mutation(
+        "issue 26: a gradient computed from a freed parameter's empty tensor goes unnoticed",
+        SHARED,
+        "        if param.grad.shape != u.shapes[k]:",
+        "        if False:",
+        [
+            "tests/test_sharded_units.py::test_a_parameter_used_while_its_unit_is_not_gathered_is_named[zero]",
+            "tests/test_sharded_units.py::test_a_parameter_used_while_its_unit_is_not_gathered_is_named[fsdp]",
+        ],
+    ),
+    Mutation(
+        "issue 26: ZeRO-3 gathers in call order when ranks skip units (rank r: branch r)",
+        ZERO,
+        "class ZeroDataParallel(OrderedGathers):",
+        "class ZeroDataParallel(OrderedGathers.__base__):",
+        ["tests/test_sharded_units.py::test_container_models_match_one_process[3]"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

@@ -66,3 +66,35 @@ def toy_batch(step, rank=0, world=1):
 
 def mse(out, y):
     return ((out.float() - y) ** 2).mean()
+
+
+class Branched(nn.Module):
+    """A trunk, then one branch per rank (rank r's rows go through branch r only), the
+    branches held in a container whose own ``forward`` never runs (issue 26): ``kind``
+    "list" (``nn.ModuleList``), "dict" (``nn.ModuleDict`` of ``nn.Sequential`` branches,
+    each called whole) or "seq" (an ``nn.Sequential`` indexed like a list). The trunk is an
+    ``nn.Sequential`` that is called; ``inp`` and ``gain`` belong to no container."""
+
+    def __init__(self, kind="list", n=3):
+        super().__init__()
+        self.kind = kind
+        self.inp = nn.Linear(5, 7)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+        self.trunk = nn.Sequential(nn.Linear(7, 7), nn.Tanh(), Block(7))
+        if kind == "list":
+            self.branches = nn.ModuleList(nn.Linear(7, 3) for _ in range(n))
+        elif kind == "dict":
+            self.branches = nn.ModuleDict(
+                {f"b{i}": nn.Sequential(nn.Linear(7, 4), nn.Tanh(), nn.Linear(4, 3))
+                 for i in range(n)}
+            )
+        elif kind == "seq":
+            self.branches = nn.Sequential(*(nn.Linear(7, 3) for _ in range(n)))
+        else:
+            raise ValueError(f"kind must be 'list', 'dict' or 'seq', got {kind!r}")
+
+    def branch(self, i):
+        return self.branches[f"b{i}"] if self.kind == "dict" else self.branches[i]
+
+    def forward(self, x, branch):
+        return self.branch(branch)(self.trunk(torch.tanh(self.inp(x)))) * self.gain

@@ -33,9 +33,10 @@ class FullyShardedDataParallel(ShardedUnits):
     """``FullyShardedDataParallel(module, group=None, compute_dtype=None,
     replicated_params=None, units=None)``.
 
-    Units: ``units`` (default ``module.blocks`` if present, else the children), plus a root
-    unit for every other parameter, gathered for the whole forward (embeddings and head
-    bracket the blocks). Each unit's shard is an ``nn.Parameter`` registered on the unit's
+    Units: ``units`` (default ``module.blocks`` if present, else the children, descending
+    into ModuleList / ModuleDict / Sequential: minitrain.zero.units), plus a root unit for
+    every other parameter, gathered for the whole forward (embeddings and head bracket the
+    blocks); a parameter used while its unit is not gathered raises, naming it. Each unit's shard is an ``nn.Parameter`` registered on the unit's
     module as ``flat_shard`` (the root's on ``module``; the replicated parameters' as
     ``module.flat_replicated``); the original parameters become plain attributes, views of
     the gathered buffer. Ranks may use different parameters, and skip units: reductions run
@@ -262,8 +263,8 @@ class FullyShardedDataParallel(ShardedUnits):
             if not u.keep_full:
                 flat = torch.empty(u.padded, dtype=flat.dtype, device=flat.device)
                 all_gather_tensor(flat, u.master.detach(), group=self._gather_group)
-            for k, (name, p) in enumerate(zip(u.names, u.params)):
-                out[name] = u.slot(flat, k).view(p.shape).clone()
+            for k, name in enumerate(u.names):
+                out[name] = u.slot(flat, k).view(u.shapes[k]).clone()
         for name, p in self._original:
             if name not in out:  # frozen parameters are not sharded
                 out[name] = p.detach().clone()

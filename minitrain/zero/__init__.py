@@ -7,6 +7,9 @@ Used by notebooks/05_zero.ipynb (Rajbhandari et al. 2020, "ZeRO"). Files by role
 - ``buffers.py``: ``FlatUnit``, parameters packed into one flat buffer padded to N slices;
 - ``sharded_units.py``: ``ShardedUnits``, stage 3's per-unit gather/free/prefetch and ordered
   reductions, shared by ``ZeroDataParallel`` and ``minitrain.fsdp``;
+- ``units.py``: which modules are stage 3's units (into containers: a unit's forward must
+  run), and the check that names a parameter used while its unit is not gathered;
+- ``gather_order.py``: stage 3's gathers in unit order when ranks skip units;
 - ``data_parallel.py``: ``ZeroDataParallel``, stages 1-3 with optional offload;
 - ``mixed_precision.py``: low-precision units with fp32 master shards (``compute_dtype``);
 - ``accounting.py``: the paper's memory and communication formulas, and the measured bytes;

@@ -30,6 +30,7 @@ class FlatUnit:
     def __init__(self, name, named, world, rank, own_shard):
         self.name, self.names = name, [n for n, _ in named]
         self.params = [p for _, p in named]
+        self.shapes = [p.shape for p in self.params]  # (a freed parameter has zero elements)
         self.offsets = [0]
         for p in self.params:
             self.offsets.append(self.offsets[-1] + p.numel())
@@ -53,6 +54,21 @@ class FlatUnit:
 
     def slot(self, flat, k):
         return flat[self.offsets[k] : self.offsets[k + 1]]
+
+    def show_params(self) -> None:
+        """Point the module's parameters at their slots of ``full`` (just gathered)."""
+        for k, p in enumerate(self.params):
+            p.data = self.slot(self.full, k).view(self.shapes[k])
+
+    def hide_params(self) -> None:
+        """Point the module's parameters at one empty tensor while ``full`` is freed: an op
+        on them then fails (a shape error) instead of reading freed memory — a view of a
+        storage resized to 0 keeps its shape, and reading it is undefined. (PyTorch's FSDP1
+        does the same with the parameters outside a rank's shard.) Autograd saved the
+        parameters themselves, so a backward after ``show_params`` sees the data again."""
+        empty = self.full.new_empty(0)
+        for p in self.params:
+            p.data = empty
 
 
 def timed(work):

@@ -62,7 +62,7 @@ def _layout(zdp) -> list[dict]:
         {
             "name": u.name,
             "names": u.names,
-            "shapes": [list(p.shape) for p in u.params],
+            "shapes": [list(shape) for shape in u.shapes],
             "numel": u.numel,
             "shard_numel": u.shard_numel,
         }

@@ -35,12 +35,12 @@ from minitrain.ddp import assign_buckets, broadcast_from_first_rank
 from minitrain.runtime import trace
 from minitrain.zero.accounting import count_sent, optimizer_state_tensors, storage_bytes
 from minitrain.zero.buffers import FlatUnit, all_gather_tensor, reduce_scatter_tensor
+from minitrain.zero.gather_order import OrderedGathers
 from minitrain.zero.mixed_precision import attach_master, cast_inputs, cast_rest
-from minitrain.zero.sharded_units import ShardedUnits, split_into_units
+from minitrain.zero.sharded_units import split_into_units
 
 
-# --------------------------------------------------------------------------- ZeroDataParallel
-class ZeroDataParallel(ShardedUnits):
+class ZeroDataParallel(OrderedGathers):
     """Data parallelism with ZeRO ``stage`` 1, 2 or 3 over the ranks of ``group``.
 
     ``ZeroDataParallel(model, torch.optim.AdamW, stage=2, lr=1e-3)``: call it like the
@@ -48,9 +48,10 @@ class ZeroDataParallel(ShardedUnits):
     the batch; the gradients are averaged over ranks (reduce-scatter, so each rank gets the
     average of its slice only) before the optimizer sees them. ``**kw`` go to ``optimizer_cls``
     (one parameter group). ``bucket_cap_mb``: gradient bucket size of stages 1-2. Stage 3
-    gathers parameters per *unit*: ``units`` (modules; default ``module.blocks`` if present,
-    else the module's children) plus a root unit for every other parameter. ``offload=True``
-    keeps the optimizer state and its step on the host (``"cpu"``), ZeRO-Offload.
+    gathers per *unit*: ``units`` (modules; default: units.py's, ``module.blocks`` or else the
+    children, descending into containers) plus a root unit for every other parameter; a use
+    of a parameter whose unit is not gathered raises. ``offload=True`` keeps the optimizer
+    state and its step on the host (``"cpu"``), ZeRO-Offload.
 
     Ranks may use different parameters (data-dependent branches): every unit's gradients are
     reduce-scattered in one fixed order on every rank — a complete unit waits for all earlier
@@ -58,8 +59,8 @@ class ZeroDataParallel(ShardedUnits):
     at the end of backward. A parameter *no* rank used gets a zero gradient (a flat shard
     cannot tell "unused" from "zero"), so unlike DDP's ``None`` AdamW still decays it. Stage
     3 gathers on a second process group of the same ranks, so its gathers and reduce-scatters
-    each keep one order on every rank. It gathers a unit when its forward runs: every rank
-    must run every unit's forward (which parameters it uses inside may differ).
+    each keep one order on every rank. It gathers a unit when its forward runs; a rank
+    skipping a unit launches its gathers anyway, in unit order (gather_order.py).
 
     ``compute_dtype`` (e.g. ``torch.bfloat16``): parameters are held, gathered and used for
     forward/backward in that dtype (floating-point inputs are cast to it); each rank keeps an

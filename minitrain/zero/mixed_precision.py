@@ -30,7 +30,7 @@ def cast_unit(unit: FlatUnit, dtype: torch.dtype, rank: int, own_shard: bool) ->
     full = unit.full.detach().to(dtype)
     with torch.no_grad():
         for k, p in enumerate(unit.params):
-            p.data = unit.slot(full, k).view_as(p)  # the parameter now lives in the new buffer
+            p.data = unit.slot(full, k).view(unit.shapes[k])  # now a view of the new buffer
     unit.full = full
     mine = full[rank * unit.shard_numel : (rank + 1) * unit.shard_numel]
     unit.shard = mine.clone() if own_shard else mine

@@ -24,6 +24,13 @@ from torch import nn
 from minitrain.runtime import trace
 from minitrain.zero.accounting import count_sent
 from minitrain.zero.buffers import all_gather_tensor, reduce_scatter_tensor, timed, wait_timed
+from minitrain.zero.units import (  # noqa: F401 (split_into_units: imported from here too)
+    UngatheredParameterError,
+    guard_parameter_use,
+    note_ungathered,
+    split_into_units,
+    ungathered_gradient_error,
+)
 
 
 def tensors_requiring_grad(out) -> list:
@@ -35,24 +42,6 @@ def tensors_requiring_grad(out) -> list:
     if isinstance(out, dict):
         return [t for o in out.values() for t in tensors_requiring_grad(o)]
     return []
-
-
-def split_into_units(module: nn.Module, named: list, units=None, exclude=()) -> tuple:
-    """(blocks, parts): ``units`` (default ``module.blocks`` if present, else the children),
-    one part ``(name, [(param name, param)])`` per block, then a "root" part with every other
-    parameter. A parameter shared by several blocks goes to the first; ids in ``exclude``
-    (FSDP's replicated parameters) go to none."""
-    blocks = list(
-        units if units is not None else getattr(module, "blocks", None) or module.children()
-    )
-    parts, taken = [], set(exclude)
-    for i, block in enumerate(blocks):
-        ids = {id(q) for q in block.parameters()}
-        mine = [(n, p) for n, p in named if id(p) not in taken and id(p) in ids]
-        taken.update(id(p) for _, p in mine)
-        parts.append((f"block {i}", mine))
-    parts.append(("root", [(n, p) for n, p in named if id(p) not in taken]))
-    return blocks, parts
 
 
 class ShardedUnits(nn.Module):
@@ -92,6 +81,8 @@ class ShardedUnits(nn.Module):
         for u in self.live_units():
             self._free(u)
         self.peak_gathered_bytes = 0
+        # after the gathering hooks: a module's check runs once its unit's hook gathered it
+        guard_parameter_use(self, [u for u in self.live_units() if not u.keep_full])
 
     def reset_peak_gathered_bytes(self) -> None:
         """Start measuring the most bytes of gathered (full) units held at one time anew."""
@@ -105,7 +96,12 @@ class ShardedUnits(nn.Module):
             self._wait_gather(self.root)
         if self.units[0] is not None and self.blocks:
             self._start_gather(self.units[0])  # prefetch the first block
-        out = self.module(*args, **kwargs)  # (each block's forward is traced by its hooks)
+        try:
+            out = self.module(*args, **kwargs)  # (each block's forward is traced by its hooks)
+        except RuntimeError as exc:  # e.g. a shape error from a freed parameter read directly
+            if not isinstance(exc, UngatheredParameterError):
+                note_ungathered(exc, self)
+            raise
         if self.root is not None:
             self._free(self.root)
         if torch.is_grad_enabled():
@@ -137,15 +133,17 @@ class ShardedUnits(nn.Module):
         if u.state == "gathering":
             trace.record(f"gather {u.name}", "communication", u.launched, wait_timed(u.work))
             u.state, u.work = "full", None
+            u.show_params()  # only now: a gather in flight is not yet data
 
     def _free(self, u):
-        """Give ``u.full``'s memory back; the parameters (views of it) keep shape but no data."""
+        """Give ``u.full``'s memory back; the parameters hold an empty tensor meanwhile."""
         if u is None or u.state == "free" or u.keep_full:
             return
         if u.state == "gathering":
             wait_timed(u.work)
         with trace.span(f"free {u.name}", "memory"):
             u.full.untyped_storage().resize_(0)
+            u.hide_params()
         self._gathered -= u.padded * u.full.element_size()
         u.state = "free"
 
@@ -186,6 +184,8 @@ class ShardedUnits(nn.Module):
         reduce-scatters, in order."""
         self._arm_callback()
         u, k = self._where[param]
+        if param.grad.shape != u.shapes[k]:  # computed from a freed parameter's empty tensor
+            raise ungathered_gradient_error(self, u, k, param.grad)
         if u.grad_full is None:  # allocated by the unit's first gradient, freed once reduced
             u.grad_full = self._new_grad_full(u)
         u.slot(u.grad_full, k).add_(param.grad.reshape(-1))
