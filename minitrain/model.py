@@ -222,8 +222,9 @@ class GPT(nn.Module):
             x = block(x)
         return x
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.logits(self.run_blocks(self.embed(idx)))
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        # positions: handed to embed (context parallelism passes its shard's, chapter 11)
+        return self.logits(self.run_blocks(self.embed(idx, positions)))
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of ``targets`` given ``idx``."""

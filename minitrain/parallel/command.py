@@ -1,6 +1,7 @@
 """``python -m minitrain.train``: one command trains the course's GPT on any parallel layout.
 
-Chapter 11, notebooks/11_putting_it_together.ipynb and the README's "Train at scale".
+Chapter 11, notebooks/11_putting_it_together.ipynb and the README's "Train at scale"
+(``minitrain/train.py`` is only the command: it calls ``main`` here).
 
     python -m minitrain.train --steps 50                                   # one process
     python -m minitrain.train --nproc 4 --dp 2 --tp 2 --steps 50           # 4 local ranks
@@ -9,8 +10,8 @@ Chapter 11, notebooks/11_putting_it_together.ipynb and the README's "Train at sc
         --rdzv-endpoint=HOST:29400 --rdzv-id=run1 -m minitrain.train --dp 2 --tp 8
 
 The same seed and model flags give the same loss curve on every layout (the global batch is
-fixed; ``minitrain.compose`` builds the layout from chapters 4–7's techniques). Rank 0 shows a
-progress bar (tqdm) and writes JSON lines ``{"step", "loss", "tokens_per_s", "mfu", ...}`` to
+fixed; ``minitrain.parallel.parallelize`` builds the layout from the chapters' techniques).
+Rank 0 shows a progress bar (tqdm) and writes JSON lines ``{"step", "loss", "tokens_per_s", "mfu", ...}`` to
 ``--log-file``. ``--checkpoint-dir`` with ``--checkpoint-every K`` saves sharded, atomic
 checkpoints; ``--resume`` continues from the newest one exactly as if never stopped.
 """
@@ -26,6 +27,9 @@ import time
 import torch.distributed as dist
 
 from minitrain.model import GPTConfig
+from minitrain.parallel.mesh import check_layout
+from minitrain.parallel.run_checkpoint import latest_checkpoint, load_run, save_run
+from minitrain.parallel.trainer import ParallelGPT
 from minitrain.runtime import LaunchError, run, running_under_torchrun
 from minitrain.step import flops_per_token, mfu
 
@@ -81,9 +85,6 @@ def layout_of(args: dict) -> dict:
 def train_rank(args: dict) -> dict:
     """Run on every rank: build the layout, resume, train, checkpoint. Returns rank 0's log
     (the losses) and this rank's coordinates."""
-    from minitrain.compose import ParallelGPT
-    from minitrain.train_checkpoint import latest_checkpoint, load_run, save_run
-
     config, layout = config_of(args), layout_of(args)
     job = ParallelGPT(config, layout, args["batch_size"], args["lr"], args["seed"])
     identity = {"config": vars(config), "layout": job.layout, "seed": args["seed"],
@@ -156,8 +157,6 @@ def main(argv=None) -> int:
     elif args["nproc"] is not None and args["nproc"] != world:
         parser.error(f"impossible layout: {layout} ranks, but --nproc is {args['nproc']}")
     try:
-        from minitrain.mesh import check_layout
-
         check_layout(config_of(args), args["dp"], args["tp"], args["pp"], args["cp"],
                      args["seq_len"], args["batch_size"], args["microbatches"])
     except ValueError as exc:

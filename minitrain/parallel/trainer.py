@@ -1,17 +1,11 @@
-"""The course's GPT on a device mesh: chapters 4–7 and 10 composed, none re-implemented.
+"""The trainer of chapter 11: one rank's step on a device mesh, apart from the parallelization.
 
 Chapter 11, notebooks/11_putting_it_together.ipynb; ``python -m minitrain.train`` calls it.
-Each technique wraps the model from the inside out, each over its own mesh group:
-
-1. tensor (+sequence) parallelism splits every block's matrices over ``mesh.group("tp")``
-   (chapter 6, ``apply_tensor_parallel``: Shoeybi et al. 2019; Korthikanti et al. 2022);
-2. pipeline parallelism gives each ``pp`` coordinate a contiguous share of the blocks and
-   runs a GPipe or 1F1B schedule of micro-batches (chapter 7, ``minitrain.pipeline``);
-3. context parallelism gives each ``cp`` rank a zigzag shard of every sequence and ring
-   attention over ``mesh.group("cp")`` (chapter 10, ``ContextParallelGPT``; Liu et al. 2023);
-4. data parallelism averages gradients over ``mesh.group("dp_cp")`` (chapter 4's
-   ``DataParallel``), or shards optimizer state, gradients, parameters (chapter 5's
-   ``ZeroDataParallel``, stages 1–3: Rajbhandari et al. 2020).
+``parallelize`` (``parallelize.py``) turns the dense GPT into this rank's share of a layout;
+``ParallelGPT`` does what a training loop does with it: the batching (this data-parallel rank's
+rows, this context-parallel rank's tokens and their positions), micro-batches and gradient
+accumulation, the pipeline's step, the loss averaged over the replicas, and the state a
+checkpoint needs to continue bit-exactly.
 
 Every rank starts from the same dense model (same seed), so each rank's shards are slices of
 the single-process model: the loss curve is the single process's, within float rounding.
@@ -26,87 +20,43 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from minitrain.checkpointing import set_checkpointing
-from minitrain.context_parallel import ContextParallelGPT
 from minitrain.data import get_batch
 from minitrain.ddp import DataParallel
-from minitrain.mesh import DeviceMesh, check_layout
-from minitrain.model import GPT, GPTConfig, lm_loss
-from minitrain.pipeline import PipelineStage
-from minitrain.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
+from minitrain.model import GPT, GPTConfig
+from minitrain.parallel.mesh import DeviceMesh, check_layout
+from minitrain.parallel.parallelize import (
+    OPTIMIZERS,
+    check_composition,
+    full_layout,
+    parallelize,
+)
 from minitrain.tensor_parallel.random import load_rng_state_dict, rng_state_dict
-from minitrain.zero import ShardedOptimizer, ZeroDataParallel
-
-# "sgd" (lr = 1 in the tests) shows a constant error in a gradient's scale, which AdamW's
-# m / sqrt(v) cancels: a sum instead of a mean, a LayerNorm gradient counted t times
-OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+from minitrain.zero import ZeroDataParallel
 
 
 class ParallelGPT:
     """One rank's share of the GPT on a mesh, its optimizer, and ``step(step_index)``.
 
     ``layout``: dict with dp, tp, pp, cp, zero (0–3), microbatches, schedule ("gpipe" or
-    "1f1b"), sequence_parallel, checkpointing, optimizer (``full_layout``). ``step`` returns the global mean loss of that step (the same
-    number on every rank), exactly what one process computes on the whole batch.
+    "1f1b"), sequence_parallel, checkpointing, optimizer (``full_layout``). ``step`` returns
+    the global mean loss of that step (the same number on every rank), exactly what one
+    process computes on the whole batch. ``state()`` / ``load_state()`` (or ``state_dict()`` /
+    ``load_state_dict()``) save and restore everything a bit-exact continuation needs.
     """
 
     def __init__(self, config: GPTConfig, layout: dict, batch_size: int, lr: float, seed: int,
                  mesh: DeviceMesh | None = None):
         self.config, self.batch_size, self.seed = config, batch_size, seed
-        self.layout = full_layout(layout)
-        lo = self.layout
+        self.layout = lo = full_layout(layout)
         check_layout(config, lo["dp"], lo["tp"], lo["pp"], lo["cp"], config.seq_len,
                      batch_size, lo["microbatches"])
-        if lo["sequence_parallel"] and (config.seq_len // lo["cp"]) % lo["tp"]:
-            raise ValueError(f"sequence parallelism cuts each rank's {config.seq_len // lo['cp']} "
-                             f"positions (seq_len {config.seq_len} / cp {lo['cp']}) over "
-                             f"tp={lo['tp']} ranks: they must divide evenly")
-        if lo["pp"] > 1 and lo["zero"] > 1:
-            raise ValueError(
-                f"zero={lo['zero']} with pp={lo['pp']}: ZeRO-2/3 shard gradients and parameters "
-                "that every micro-batch of a pipeline needs again (Megatron-LM and DeepSpeed do "
-                "not combine them either); use --zero 0 or 1 with a pipeline")
+        check_composition(config, lo)  # refused before any group is built
         self.mesh = mesh or DeviceMesh(dp=lo["dp"], tp=lo["tp"], pp=lo["pp"], cp=lo["cp"])
-        # gradients are averaged over DP and CP together (each CP rank's loss covers its
-        # tokens only; Megatron-LM folds CP into the data-parallel reduction the same way)
-        self.dp_group, self.tp_group = self.mesh.group("dp_cp"), self.mesh.group("tp")
-        self.replicas = lo["dp"] * lo["cp"]
         torch.manual_seed(seed)  # the same dense model on every rank
-        model = GPT(config)
-        if lo["tp"] > 1:  # with SP and CP, SP cuts this CP rank's shard further (Megatron-Core)
-            apply_tensor_parallel(model, self.tp_group, lo["sequence_parallel"], seed=seed)
-        self.model, self.stage, self.context = model, None, None
-        if lo["cp"] > 1:  # chapter 10: ring attention, this rank's zigzag shard of each sequence
-            self.context = ContextParallelGPT(model, self.mesh.group("cp"), layout="zigzag")
-            # the model's own embed (called by TP's forward and the pipeline's first stage)
-            # must look positions up where this rank's tokens sit: use chapter 10's
-            model.embed = self.context.embed
-        recompute = "full" if lo["checkpointing"] == "full" else None
-        opt_cls = OPTIMIZERS[lo["optimizer"]]
-        if lo["pp"] > 1:  # chapter 7: keep this stage's blocks, gradients averaged over dp
-            self.stage = PipelineStage(model, self.mesh.group("pp"), checkpointing=recompute)
-            params = [p for p in model.parameters() if p.requires_grad]
-            self.wrapped = self.stage
-            if lo["zero"] == 1:  # chapter 5's ZeRO-1 under the pipeline's averaged gradients
-                self.optimizer = ShardedOptimizer(params, opt_cls, group=self.dp_group, lr=lr)
-            else:
-                self.optimizer = opt_cls(params, lr=lr)
-            return
-        if recompute:  # chapter 3: every block recomputed in backward
-            set_checkpointing(model, recompute)
-        if lo["zero"] == 0:
-            self.wrapped = DataParallel(model, group=self.dp_group) if self.replicas > 1 \
-                else model
-            self.optimizer = opt_cls(model.parameters(), lr=lr)
-        else:
-            self.wrapped = ZeroDataParallel(model, opt_cls, lo["zero"], group=self.dp_group,
-                                            lr=lr)
-            self.optimizer = self.wrapped  # step() and zero_grad() of its own
-
-    def loss_fn(self, logits, targets):
-        if self.layout["tp"] > 1:  # this rank holds a vocabulary slice of the logits
-            return vocab_parallel_cross_entropy(logits, targets, self.tp_group)
-        return lm_loss(logits, targets)
+        parts = parallelize(GPT(config), self.mesh, lo, lr=lr, seed=seed)
+        self.model, self.wrapped, self.optimizer = parts.model, parts.wrapped, parts.optimizer
+        self.stage, self.context, self.loss_fn = parts.stage, parts.context, parts.loss_fn
+        self.dp_group, self.replicas = parts.dp_group, parts.replicas
 
     def local_batch(self, step: int):
         """This data-parallel rank's rows of the global batch of ``step``."""
@@ -120,11 +70,14 @@ class ParallelGPT:
     def step(self, step: int) -> float:
         """One optimizer step on the global batch of ``step``; the global mean loss."""
         x, y = self.local_batch(step)
+        # where this rank's tokens sit in the sequence: 0..s-1, or its CP shard's (chapter 10)
+        pos = None if self.context is None else self.context.positions(x)
         m = self.layout["microbatches"]
         self.optimizer.zero_grad(set_to_none=True)
         if self.stage is not None:
             dp = self.dp_group if self.replicas > 1 else None
-            loss = self.stage.train_step(x, y, self.layout["schedule"], m, dp_group=dp)
+            loss = self.stage.train_step(x, y, self.layout["schedule"], m, dp_group=dp,
+                                         positions=pos)
             self.optimizer.step()
             return self.reduce_loss(loss)
         total = 0.0
@@ -135,7 +88,7 @@ class ParallelGPT:
             accumulate = isinstance(self.wrapped, DataParallel) and not last
             sync = self.wrapped.no_sync() if accumulate else nullcontext()
             with sync:
-                loss = self.loss_fn(self.wrapped(xi), yi) / m
+                loss = self.loss_fn(self.wrapped(xi, positions=pos), yi) / m
                 loss.backward()
             total += loss.detach()
         self.optimizer.step()
@@ -184,29 +137,13 @@ class ParallelGPT:
         torch.set_rng_state(state["rng"])
         load_rng_state_dict(self.model, state.get("tp_rng", {}))
 
+    def state_dict(self) -> dict:
+        """``state()``, under the name torch's modules and optimizers give it."""
+        return self.state()
 
-def full_layout(layout: dict) -> dict:
-    """The layout with every key: dp, tp, pp, cp (1), zero (0), microbatches (1), schedule
-    ("1f1b"), sequence_parallel (False), checkpointing ("none" or "full": every block
-    recomputed, chapter 3), optimizer ("adamw" or "sgd"). A planner ``Layout``'s fields are
-    these keys (``minitrain.planner.layout_dict``)."""
-    out = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "zero": 0, "microbatches": 1,
-           "schedule": "1f1b", "sequence_parallel": False, "checkpointing": "none",
-           "optimizer": "adamw"}
-    unknown = set(layout) - set(out)
-    if unknown:
-        raise ValueError(f"unknown layout keys {sorted(unknown)}; expected {sorted(out)}")
-    out.update(layout)
-    if out["zero"] not in (0, 1, 2, 3):
-        raise ValueError(f"zero must be 0, 1, 2 or 3, got {out['zero']!r}")
-    if out["schedule"] not in ("gpipe", "1f1b"):
-        raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {out['schedule']!r}")
-    if out["checkpointing"] not in ("none", "full"):
-        raise ValueError(f"checkpointing must be 'none' or 'full', got {out['checkpointing']!r}")
-    if out["optimizer"] not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, "
-                         f"got {out['optimizer']!r}")
-    return out
+    def load_state_dict(self, state: dict) -> None:
+        """``load_state(state)``, under the name torch's modules and optimizers give it."""
+        self.load_state(state)
 
 
 def single_process_losses(config: GPTConfig, steps: int, batch_size: int, lr: float,

@@ -58,8 +58,9 @@ HEADER_TAG = 1 << 20
 class StepState:
     """What one training step remembers between actions."""
 
-    def __init__(self, inputs, targets, num_microbatches, split_backward):
+    def __init__(self, inputs, targets, num_microbatches, split_backward, positions=None):
         self.inputs, self.targets = inputs, targets  # per micro-batch
+        self.positions = positions  # where the tokens sit (None: 0..s-1), for the embedding
         self.num_microbatches = num_microbatches
         self.split_backward = split_backward  # the schedule has W actions
         self.saved = {}  # (mb, chunk) -> (input, output) kept for backward
@@ -170,7 +171,7 @@ class PipelineStage(nn.Module):
         with trace.span(f"F{mb}" + (f".{chunk}" if self.num_chunks > 1 else ""), "compute"):
             with self.model.tp_rng.fork(x.device) if sp else nullcontext():
                 if module.first:
-                    x = module.embed(x)
+                    x = module.embed(x, state.positions)
                 out = module(x)
             if module.last:
                 loss = module.loss(out, state.targets[mb])
@@ -209,7 +210,8 @@ class PipelineStage(nn.Module):
         simulate(schedule, num_microbatches=m, num_chunks=v)  # raises ScheduleError: no hang
         return schedule
 
-    def train_step(self, inputs, targets, schedule, num_microbatches: int, dp_group=None):
+    def train_step(self, inputs, targets, schedule, num_microbatches: int, dp_group=None,
+                   positions=None):
         m, batch = num_microbatches, inputs.shape[0]
         if not isinstance(m, int) or m < 1 or batch % m:
             raise ValueError(f"{m} micro-batches do not divide the batch of {batch} sequences")
@@ -220,7 +222,7 @@ class PipelineStage(nn.Module):
         # each micro-batch its own storage: memory accounting sees m separate inputs
         state = StepState([t.clone() for t in inputs.chunk(m)],
                           [t.clone() for t in targets.chunk(m)], m,
-                          split and self.checkpointing is None)
+                          split and self.checkpointing is None, positions)
         state.key = (tuple(inputs.shape[1:]), batch // m)
         for action in schedule[self.stage]:
             run_action(self, action, state)

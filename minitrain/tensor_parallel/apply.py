@@ -90,11 +90,11 @@ class TensorParallelGPT(GPT):
         table = copy_to_parallel_region(self.pos_emb.weight, self.tp_group)
         return dropout(x + F.embedding(pos, table), self.config.dropout, self.training)
 
-    def forward(self, idx):
+    def forward(self, idx, positions=None):
         # with sequence parallelism every dropout acts on distinct shards: per-rank stream
         shards = self.tp_rng.fork(idx.device) if self.sequence_parallel else nullcontext()
         with shards:
-            x = self.run_blocks(self.embed(idx))
+            x = self.run_blocks(self.embed(idx, positions))
         return self.logits(x)  # the column-parallel head: (b, s, v/t)
 
     def loss(self, idx, targets):
