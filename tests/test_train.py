@@ -208,7 +208,7 @@ def _expected_counts(layout, coords):
                 c[(name, nbytes)] += m
         out["tp"] = c
     if pp > 1:  # chapter 7: an activation forward and its gradient back per micro-batch
-        c = Counter({("broadcast", 4): 1})  # the step's loss, from the last stage
+        c = Counter({("broadcast", 8): 1})  # the step's loss from the last stage, as float64
         if not last:
             c[("send", act)] += m
             c[("recv", act)] += m
