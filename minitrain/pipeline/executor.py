@@ -6,7 +6,8 @@ interleaved 1F1B (Narayanan et al. 2021, section 2.2), ZB-H1 (Qi et al. 2024).
 Public API (what later chapters compose with):
 
     stage = PipelineStage(model, group=None, num_chunks=1, checkpointing=None, checkpoint_k=1)
-    loss = stage.train_step(inputs, targets, schedule, num_microbatches, dp_group=None)
+    loss = stage.train_step(inputs, targets, schedule, num_microbatches, dp_group=None,
+                            positions=None)
 
 - ``model``: the course's GPT (dense, or already tensor-parallel through
   ``minitrain.tensor_parallel.apply_tensor_parallel``, with or without sequence parallelism).
@@ -16,6 +17,7 @@ Public API (what later chapters compose with):
   keeps the dense model's names. Blocks are split over the ``p * num_chunks`` virtual stages
   as evenly as possible, the first ``L mod V`` virtual stages getting one extra block
   (``split_blocks``): the last stage already carries the head and the loss.
+- ``positions``: where the tokens sit, for the first stage's embedding (a CP shard's, ch. 11).
 - ``group``: the pipeline's process group (None: the default group); stage = rank in it.
   With ``num_chunks = v``, chunk c of stage s holds virtual stage ``c * p + s``.
 - ``checkpointing``: a chapter-3 policy ("full", "every_k", "segments", "selective") applied
