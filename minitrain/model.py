@@ -234,10 +234,11 @@ class GPT(nn.Module):
             x = block(x)
         return x
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        # positions: handed to embed (context parallelism passes its shard's, chapter 11)
         shards = nullcontext() if self.shard_rng is None else self.shard_rng.fork(idx.device)
         with shards:
-            x = self.run_blocks(self.embed(idx))
+            x = self.run_blocks(self.embed(idx, positions))
         return self.logits(x)
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

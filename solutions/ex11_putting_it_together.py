@@ -1,4 +1,4 @@
-"""Chapter 11 solutions — generated from minitrain.mesh, minitrain.planner.
+"""Chapter 11 solutions — generated from minitrain.parallel.mesh, minitrain.parallel.planner.
 
 The worked answers. Look one up when you are stuck; the library has them too.
 """
@@ -9,8 +9,8 @@ import torch.distributed as dist
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 from minitrain.collectives.cost_model import predict_all_reduce
-from minitrain.mesh import AXES, MeshCoords, _sizes
 from minitrain.model import GPTConfig
+from minitrain.parallel.mesh import AXES, MeshCoords, _sizes
 from minitrain.pipeline import split_blocks
 from minitrain.step import flops_per_token
 from minitrain.tensor_parallel.measure import layer_activation_bytes
@@ -88,4 +88,4 @@ def params_per_rank(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0)
     return total
     ### END SOLUTION
 
-# minitrain-exercises-hash: 63cd72a8dfa41ac3
+# minitrain-exercises-hash: 78483b497bed4dc0

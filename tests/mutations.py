@@ -374,35 +374,35 @@ MUTATIONS = [
     ),
     Mutation(
         "mesh: pipeline the fastest axis (TP ranks not adjacent)",
-        "minitrain/mesh.py",
+        "minitrain/parallel/mesh.py",
         "    for axis in reversed(AXES):  # tp, cp, dp, pp\n",
         "    for axis in AXES:\n",
         ["tests/test_mesh.py::test_coordinates_enumerate_the_grid_tp_fastest_pp_slowest[dp2-tp2-pp2]"],
     ),
     Mutation(
         "compose: logged loss summed, not averaged, over data-parallel ranks",
-        "minitrain/compose.py",
+        "minitrain/parallel/trainer.py",
         "            t /= self.replicas",
         "            t /= 1",
         ["tests/test_train.py::test_loss_curve_equals_the_single_process[dp2]"],
     ),
     Mutation(
         "compose: gradients averaged over DP only, not over DP x CP",
-        "minitrain/compose.py",
-        'self.mesh.group("dp_cp"), self.mesh.group("tp")',
-        'self.mesh.group("dp"), self.mesh.group("tp")',
+        "minitrain/parallel/parallelize.py",
+        'mesh.group("dp_cp"), mesh.group("tp")',
+        'mesh.group("dp"), mesh.group("tp")',
         ["tests/test_train.py::test_loss_curve_equals_the_single_process[tp2-pp2-cp2-microbatches2]"],
     ),
     Mutation(
         "compose: ZeRO optimizer state not restored on resume",
-        "minitrain/compose.py",
+        "minitrain/parallel/trainer.py",
         '            self.wrapped.optimizer.load_state_dict(state["optimizer"])\n',
         "            pass\n",
         ["tests/test_train.py::test_command_logs_and_resumes_bit_exactly[dp2-zero2]"],
     ),
     Mutation(
         "planner: a 1F1B stage holds all m micro-batches",
-        "minitrain/planner.py",
+        "minitrain/parallel/planner.py",
         "    return min(layout.microbatches, layout.pp - stage)",
         "    return layout.microbatches",
         ["tests/test_train.py::test_planner_memory_equals_measured[pp2-microbatches4]"],
@@ -671,7 +671,7 @@ MUTATIONS = [
     ),
     Mutation(
         "ParallelGPT.load_state: TP dropout's per-rank streams restart from the seed",
-        "minitrain/compose.py",
+        "minitrain/parallel/trainer.py",
         "        load_rng_state_dict(self.model, state.get(\"tp_rng\", {}))\n",
         "",
         [
@@ -689,7 +689,7 @@ MUTATIONS = [
     # issue 26: ZeRO-3 resume, CP with TP + SP, every planner layout, SGD with lr = 1
     Mutation(
         "compose: ZeRO-3 checkpoint of model.state_dict() (views of freed storage)",
-        "minitrain/compose.py",
+        "minitrain/parallel/trainer.py",
         "        if isinstance(self.wrapped, ZeroDataParallel):\n            return {}\n",
         "",
         ["tests/test_train.py::test_zero3_resumes_bit_exactly[dp2-zero3]",
@@ -697,7 +697,7 @@ MUTATIONS = [
     ),
     Mutation(
         "compose: SP with CP refused again (the planner's layouts do not build)",
-        "minitrain/compose.py",
+        "minitrain/parallel/parallelize.py",
         'if lo["sequence_parallel"] and (config.seq_len // lo["cp"]) % lo["tp"]:',
         'if lo["sequence_parallel"] and lo["cp"] > 1:',
         ["tests/test_train.py::test_loss_curve_equals_the_single_process"
@@ -714,7 +714,7 @@ MUTATIONS = [
     ),
     Mutation(
         "planner: SP for every tp > 1 (TP not dividing a CP rank's positions)",
-        "minitrain/planner.py",
+        "minitrain/parallel/planner.py",
         "sp = tp > 1 and (seq_len // cp) % tp == 0",
         "sp = tp > 1",
         ["tests/test_planner_layouts.py::"
@@ -722,7 +722,7 @@ MUTATIONS = [
     ),
     Mutation(
         "mesh: uneven pipeline stages refused (the planner proposes them)",
-        "minitrain/mesh.py",
+        "minitrain/parallel/mesh.py",
         "    if config.n_layer < pp:",
         "    if config.n_layer % pp:",
         ["tests/test_mesh.py::test_uneven_pipeline_stages_pass_as_the_planner_proposes_them"],

@@ -1,4 +1,4 @@
-"""minitrain.mesh: coordinates, groups (built and really communicating), clear errors."""
+"""minitrain.parallel.mesh: coordinates, groups (built and really communicating), clear errors."""
 
 import itertools
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minitrain.mesh import AXES, axis_groups, check_layout, rank_coords
 from minitrain.model import GPTConfig
+from minitrain.parallel import AXES, axis_groups, check_layout, rank_coords
 from minitrain.runtime import LaunchError, launch
 
 LAYOUTS = [dict(dp=2, tp=2, pp=2), dict(tp=2, pp=2, cp=2), dict(dp=4, pp=2), dict(dp=3, tp=2),
@@ -61,7 +61,7 @@ def test_example_from_the_docstring():
 
 
 def _sum_over_each_axis(layout):
-    from minitrain.mesh import DeviceMesh
+    from minitrain.parallel import DeviceMesh
 
     mesh = DeviceMesh(**layout)
     out = {"coords": tuple(mesh.coords()), "ranks": {}, "sums": {}}
@@ -86,7 +86,7 @@ def test_mesh_groups_really_communicate_8_ranks():
 
 
 def _mesh(layout):
-    from minitrain.mesh import DeviceMesh
+    from minitrain.parallel import DeviceMesh
 
     DeviceMesh(**layout)
 

@@ -1,7 +1,7 @@
 """Every layout the planner proposes builds and trains (issue 26, item 7).
 
-``minitrain.planner.enumerate_layouts`` lists DP × TP(+SP) × PP × CP × ZeRO × recomputation ×
-micro-batch layouts; each must run in ``minitrain.compose.ParallelGPT`` and give the single
+``minitrain.parallel.enumerate_layouts`` lists DP × TP(+SP) × PP × CP × ZeRO × recomputation ×
+micro-batch layouts; each must run in ``minitrain.parallel.ParallelGPT`` and give the single
 process's losses. The optimizer is SGD with lr = 1: a gradient off by a constant factor (a sum
 instead of a mean, a LayerNorm gradient counted t times) changes the next loss by about as
 much as the step itself, where AdamW's m / sqrt(v) would cancel it.
@@ -12,9 +12,8 @@ dp × tp × pp × cp, reused), so 8 ranks on two cores stay within a few minutes
 
 import pytest
 
-from minitrain.compose import single_process_losses
 from minitrain.model import GPTConfig
-from minitrain.planner import enumerate_layouts, layout_dict
+from minitrain.parallel import enumerate_layouts, layout_dict, single_process_losses
 from minitrain.runtime import launch
 
 # tiny, and uneven: 3 layers over 2 stages (extras to the first, as split_blocks cuts them)
@@ -27,8 +26,7 @@ BATCH = {4: 4, 8: 2}
 
 def _train_every_layout(layouts, batch):
     """On every rank: each layout for STEPS steps, meshes shared by layouts of one shape."""
-    from minitrain.compose import ParallelGPT
-    from minitrain.mesh import DeviceMesh
+    from minitrain.parallel import DeviceMesh, ParallelGPT
 
     meshes, out = {}, []
     for layout in layouts:

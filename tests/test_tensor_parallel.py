@@ -290,7 +290,7 @@ def _resume_case(sp, steps=4, cut=2):
     through torch.save / torch.load(weights_only=True), a fresh job, load_state(), the rest."""
     import io
 
-    from minitrain.compose import ParallelGPT
+    from minitrain.parallel import ParallelGPT
 
     config = GPTConfig(**{**CONFIG, "dropout": 0.1})
     layout = {"tp": 2, "sequence_parallel": sp}

@@ -19,8 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minitrain.compose import single_process_losses
 from minitrain.model import GPTConfig
+from minitrain.parallel import single_process_losses
 from minitrain.runtime import launch
 from minitrain.tensor_parallel.measure import layer_collectives
 from minitrain.train import main
@@ -94,8 +94,8 @@ def layout_id(layout):
 def _run_layouts(layouts, steps):
     """On every rank: each layout for steps[i] steps; the losses, one step's collectives,
     the model-state bytes and the peak of saved activations."""
-    from minitrain.compose import ParallelGPT
     from minitrain.memory import LiveSavedBytes
+    from minitrain.parallel import ParallelGPT
     from minitrain.zero import dp_memory_bytes, optimizer_state_tensors, storage_bytes
 
     out = []
@@ -208,7 +208,7 @@ def _expected_counts(layout, coords):
                 c[(name, nbytes)] += m
         out["tp"] = c
     if pp > 1:  # chapter 7: an activation forward and its gradient back per micro-batch
-        c = Counter({("broadcast", 4): 1})  # the step's loss, from the last stage
+        c = Counter({("broadcast", 8): 1})  # the step's loss from the last stage, as float64
         if not last:
             c[("send", act)] += m
             c[("recv", act)] += m
@@ -230,7 +230,7 @@ COUNTED = [lo for lo in ALL if not lo.get("sequence_parallel") and not lo.get("c
 
 @pytest.mark.parametrize("layout", COUNTED, ids=layout_id)
 def test_collectives_per_group_match_the_formulas(runs, layout):
-    from minitrain.planner import params_per_rank
+    from minitrain.parallel import params_per_rank
 
     _, ranks = runs[str(layout)]
     dp, tp, pp = layout.get("dp", 1), layout.get("tp", 1), layout.get("pp", 1)
@@ -265,7 +265,7 @@ def _param_tensors():
 
 @pytest.mark.parametrize("layout", ALL, ids=layout_id)
 def test_planner_memory_equals_measured(runs, layout):
-    from minitrain.planner import Layout, activation_bytes, params_per_rank
+    from minitrain.parallel import Layout, activation_bytes, params_per_rank
     from minitrain.zero import memory_formula
 
     _, ranks = runs[str(layout)]
@@ -421,7 +421,7 @@ def test_ctrl_c_leaves_the_last_complete_checkpoint_intact(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    from minitrain.train_checkpoint import latest_checkpoint
+    from minitrain.parallel import latest_checkpoint
 
     last = latest_checkpoint(str(ck))
     assert last is not None

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from minitrain.bench import bench_parser
 from minitrain.collectives.cost_model import fit_alpha_beta
 from minitrain.model import GPTConfig
-from minitrain.planner import Cluster, Layout, plan, step_time
+from minitrain.parallel import Cluster, Layout, plan, step_time
 from minitrain.runtime import launch
 from minitrain.step import flops_per_token
 
@@ -45,7 +45,7 @@ def _alpha_beta():
 
 
 def _step_times(layout, steps):
-    from minitrain.compose import ParallelGPT
+    from minitrain.parallel import ParallelGPT
 
     torch.set_num_threads(1)
     job = ParallelGPT(CONFIG, layout, BATCH, 1e-3, 0)
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         took = measured[str(layout)]
         print(f"{str(lo):<40}{predicted * 1e3:>14.1f}{took * 1e3:>13.1f}{predicted / took:>8.2f}")
     if args.published:
-        from minitrain.published_layouts import published_cases
+        from minitrain.parallel import published_cases
 
         for case in published_cases():
             rows = plan(case["model"], case["seq_len"], case["batch"], case["cluster"], top=None)

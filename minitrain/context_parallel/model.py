@@ -34,7 +34,8 @@ class ContextParallelGPT(nn.Module):
     this rank's mean loss (backward it on every rank); ``average_loss(loss)`` the group's
     mean (the whole sequence's loss); ``finish_gradient_synchronization()`` averages every
     parameter's gradient over the group (call it after backward, before the optimizer).
-    ``shard(x)`` cuts a whole ``(batch, N)`` tensor into this rank's shard.
+    ``shard(x)`` cuts a whole ``(batch, N)`` tensor into this rank's shard, ``positions(x)``
+    says where a shard's tokens sit (``module(x, positions=...)`` is this rank's forward).
     Attention dropout is not supported (ring attention has no dropout mask).
     """
 
@@ -51,25 +52,30 @@ class ContextParallelGPT(nn.Module):
             return ring_attention(q, k, v, causal=causal, group=group, layout=layout)
 
         set_attention_fn(module, attention)
-        # the module's own embed, bound now: a composition may point ``module.embed`` here
-        self._module_embed = module.embed
 
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's tokens of a ``(batch, N)`` tensor (the sequence is dimension -1)."""
         return shard_sequence(x.unsqueeze(-1), self.group, self.layout).squeeze(-1)
 
-    def embed(self, idx: torch.Tensor) -> torch.Tensor:
-        """The module's own embedding at this shard's positions (a tensor-parallel module
-        with sequence parallelism keeps its 1/t of them, so CP composes with TP + SP)."""
-        m = self.module
+    def positions(self, idx: torch.Tensor) -> torch.Tensor:
+        """Where this rank's tokens (``idx``, its ``(batch, n)`` shard) sit in the whole
+        sequence of n·P positions. The GPT takes them as an argument (``module(idx,
+        positions=...)``), so a composition passes them on (chapter 11) rather than replacing
+        the GPT's embedding; a tensor-parallel module with sequence parallelism keeps its 1/t
+        of them, so CP composes with TP + SP."""
         seq_len = idx.shape[1] * self.world_size
-        if seq_len > m.config.seq_len:
-            raise ValueError(f"sequence length {seq_len} exceeds config.seq_len={m.config.seq_len}")
+        if seq_len > self.module.config.seq_len:
+            raise ValueError(f"sequence length {seq_len} exceeds "
+                             f"config.seq_len={self.module.config.seq_len}")
         pos = shard_positions(seq_len, self.rank, self.world_size, self.layout).to(idx.device)
-        return self._module_embed(idx, positions=pos)
+        return pos
+
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """The module's own embedding at this shard's positions."""
+        return self.module.embed(idx, self.positions(idx))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.module.logits(self.module.run_blocks(self.embed(idx)))
+        return self.module(idx, positions=self.positions(idx))
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return lm_loss(self(idx), targets)

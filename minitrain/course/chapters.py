@@ -70,5 +70,5 @@ CHAPTERS: dict[int, tuple[str, list[str]]] = {
         "ex10_context_parallel",
         ["minitrain.context_parallel.merge", "minitrain.context_parallel.ring"],
     ),
-    11: ("ex11_putting_it_together", ["minitrain.mesh", "minitrain.planner", "minitrain.train"]),
+    11: ("ex11_putting_it_together", ["minitrain.parallel.mesh", "minitrain.parallel.planner"]),
 }

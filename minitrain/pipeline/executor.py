@@ -6,7 +6,8 @@ interleaved 1F1B (Narayanan et al. 2021, section 2.2), ZB-H1 (Qi et al. 2024).
 Public API (what later chapters compose with):
 
     stage = PipelineStage(model, group=None, num_chunks=1, checkpointing=None, checkpoint_k=1)
-    loss = stage.train_step(inputs, targets, schedule, num_microbatches, dp_group=None)
+    loss = stage.train_step(inputs, targets, schedule, num_microbatches, dp_group=None,
+                            positions=None)
 
 - ``model``: the course's GPT (dense, or already tensor-parallel through
   ``minitrain.tensor_parallel.apply_tensor_parallel``, with or without sequence parallelism).
@@ -16,6 +17,7 @@ Public API (what later chapters compose with):
   keeps the dense model's names. Blocks are split over the ``p * num_chunks`` virtual stages
   as evenly as possible, the first ``L mod V`` virtual stages getting one extra block
   (``split_blocks``): the last stage already carries the head and the loss.
+- ``positions``: where the tokens sit, for the first stage's embedding (a CP shard's, ch. 11).
 - ``group``: the pipeline's process group (None: the default group); stage = rank in it.
   With ``num_chunks = v``, chunk c of stage s holds virtual stage ``c * p + s``.
 - ``checkpointing``: a chapter-3 policy ("full", "every_k", "segments", "selective") applied
@@ -58,8 +60,9 @@ HEADER_TAG = 1 << 20
 class StepState:
     """What one training step remembers between actions."""
 
-    def __init__(self, inputs, targets, num_microbatches, split_backward):
+    def __init__(self, inputs, targets, num_microbatches, split_backward, positions=None):
         self.inputs, self.targets = inputs, targets  # per micro-batch
+        self.positions = positions  # where the tokens sit (None: 0..s-1), for the embedding
         self.num_microbatches = num_microbatches
         self.split_backward = split_backward  # the schedule has W actions
         self.saved = {}  # (mb, chunk) -> (input, output) kept for backward
@@ -171,7 +174,7 @@ class PipelineStage(nn.Module):
         with trace.span(f"F{mb}" + (f".{chunk}" if self.num_chunks > 1 else ""), "compute"):
             with nullcontext() if rng is None else rng.fork(x.device):
                 if module.first:
-                    x = module.embed(x)
+                    x = module.embed(x, state.positions)
                 out = module(x)
             if module.last:
                 loss = module.loss(out, state.targets[mb])
@@ -210,7 +213,8 @@ class PipelineStage(nn.Module):
         simulate(schedule, num_microbatches=m, num_chunks=v)  # raises ScheduleError: no hang
         return schedule
 
-    def train_step(self, inputs, targets, schedule, num_microbatches: int, dp_group=None):
+    def train_step(self, inputs, targets, schedule, num_microbatches: int, dp_group=None,
+                   positions=None):
         m, batch = num_microbatches, inputs.shape[0]
         if not isinstance(m, int) or m < 1 or batch % m:
             raise ValueError(f"{m} micro-batches do not divide the batch of {batch} sequences")
@@ -221,7 +225,7 @@ class PipelineStage(nn.Module):
         # each micro-batch its own storage: memory accounting sees m separate inputs
         state = StepState([t.clone() for t in inputs.chunk(m)],
                           [t.clone() for t in targets.chunk(m)], m,
-                          split and self.checkpointing is None)
+                          split and self.checkpointing is None, positions)
         state.key = (tuple(inputs.shape[1:]), batch // m)
         for action in schedule[self.stage]:
             run_action(self, action, state)

@@ -49,10 +49,11 @@ class StageChunk(nn.Module):
             x = block(x)
         return x
 
-    def embed(self, idx):
+    def embed(self, idx, positions=None):
         """The first virtual stage's own input activation: the embedding of the tokens (made
-        to require grad if the embedding has no parameters, so B has something to reach)."""
-        x = self.gpt.embed(idx)
+        to require grad if the embedding has no parameters, so B has something to reach);
+        ``positions`` as ``GPT.embed``'s (a context-parallel shard's, chapter 11)."""
+        x = self.gpt.embed(idx, positions)
         return x if x.requires_grad else x.requires_grad_()
 
     def forward(self, x):

@@ -3,7 +3,7 @@ ranked layouts that fit, with their memory and step-time bars.
 
 Used by notebooks/11_putting_it_together.ipynb. ``compute_plan`` is the pure function behind
 it (unit tested): it builds a GPT shape of roughly the chosen size (Megatron-LM's Table 1
-shapes, Narayanan et al. 2021) and calls ``minitrain.planner.plan``; the bars are the
+shapes, Narayanan et al. 2021) and calls ``minitrain.parallel.plan``; the bars are the
 planner's own parts (params, grads, optimizer, activations; compute, bubble, TP, CP, PP, DP).
 """
 
@@ -12,8 +12,7 @@ from __future__ import annotations
 import html
 
 from minitrain.model import GPTConfig
-from minitrain.planner import Cluster, plan
-from minitrain.published_layouts import MEGATRON_2021, a100_cluster
+from minitrain.parallel import MEGATRON_2021, Cluster, a100_cluster, plan
 from minitrain.widgets import live
 
 MODELS = {name: (heads, h, layers) for name, heads, h, layers, *_ in MEGATRON_2021}

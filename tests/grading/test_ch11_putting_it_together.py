@@ -22,7 +22,7 @@ def _sizes(layout):
 @pytest.mark.exercise("rank_coords", points=2)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_rank_coords_enumerate_the_grid_tp_fastest(layout):
-    from minitrain.mesh import rank_coords
+    from minitrain.parallel import rank_coords
 
     s = _sizes(layout)
     grid = itertools.product(range(s["pp"]), range(s["dp"]), range(s["cp"]), range(s["tp"]))
@@ -36,7 +36,7 @@ def test_rank_coords_enumerate_the_grid_tp_fastest(layout):
 @pytest.mark.exercise("axis_groups", points=2)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 def test_axis_groups_hold_ranks_differing_in_one_coordinate(layout):
-    from minitrain.mesh import axis_groups
+    from minitrain.parallel import axis_groups
 
     s = _sizes(layout)
     grid = list(itertools.product(range(s["pp"]), range(s["dp"]), range(s["cp"]), range(s["tp"])))
@@ -51,8 +51,8 @@ def test_axis_groups_hold_ranks_differing_in_one_coordinate(layout):
 
 def _real_params(config, tp, pp):
     """On each rank: the parameters its stage of the real TP × PP model holds."""
-    from minitrain.mesh import DeviceMesh
     from minitrain.model import GPT
+    from minitrain.parallel import DeviceMesh
     from minitrain.pipeline import PipelineStage
     from minitrain.tensor_parallel import apply_tensor_parallel
 
@@ -74,7 +74,7 @@ def _real_params(config, tp, pp):
     (GPTConfig(n_layer=5), 1, 3),
 ], ids=["tp2-pp2-uneven", "tp2-nobias", "tp4", "pp3"])
 def test_params_per_rank_equals_the_real_model(config, tp, pp):
-    from minitrain.planner import params_per_rank
+    from minitrain.parallel import params_per_rank
 
     for rank, coords, actual in launch(_real_params, tp * pp, config, tp, pp, timeout=120):
         stage = coords[0]

@@ -15,7 +15,7 @@ ranks the rest by time. Each fact comes from its chapter's public function:
   Narayanan et al. 2021, section 2.2), and the pipeline bubble (p - 1)/m;
 - communication time from chapter 4's α–β ring model (``cost_model.predict_all_reduce``),
   with intra-node bandwidth for a group that fits in a node and inter-node otherwise;
-- compute: 6N + 12Lhs FLOPs per token (chapter 1, ``train_step.flops_per_token``; + one
+- compute: 6N + 12Lhs FLOPs per token (chapter 1, ``step.flops_per_token``; + one
   forward, 4/3, with full recomputation) at an assumed MFU.
 
 The model is the course's GPT (``GPTConfig``): for another architecture pass a GPTConfig with
@@ -202,7 +202,7 @@ def enumerate_layouts(config: GPTConfig, seq_len: int, global_batch: int, device
     up to the layers, CP dividing the sequence, micro-batch counts dividing the local batch.
     Sequence parallelism with every tp > 1 whose ranks divide a CP rank's positions (with
     CP, SP cuts each CP shard further over the TP ranks, as Megatron-Core does). Each one
-    builds and trains in ``minitrain.compose.ParallelGPT`` (``layout_dict``)."""
+    builds and trains in ``minitrain.parallel.ParallelGPT`` (``layout_dict``)."""
     out = []
     for tp in _divisors(devices, devices_per_node):
         if config.n_head % tp or config.d_ff % tp or config.vocab_size % tp:
@@ -220,7 +220,7 @@ def enumerate_layouts(config: GPTConfig, seq_len: int, global_batch: int, device
                 counts = [m for m in _divisors(local, local) if pp == 1 or m >= pp]
                 for m in counts:
                     for zero in zero_stages:
-                        if zero > 1 and pp > 1:  # not combined (see minitrain.compose)
+                        if zero > 1 and pp > 1:  # not combined (see parallelize.check_composition)
                             continue
                         for ck in checkpointing:
                             out.append(Layout(dp, tp, pp, cp, zero, ck, m, "1f1b", sp))

@@ -21,7 +21,7 @@ projections are not modelled (a few per cent more attention weights here).
 from __future__ import annotations
 
 from minitrain.model import GPTConfig
-from minitrain.planner import Cluster
+from minitrain.parallel.planner import Cluster
 
 GB = 1e9
 

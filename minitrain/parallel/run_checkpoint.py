@@ -1,4 +1,7 @@
-"""Sharded, atomic training checkpoints for a run on a device mesh (``python -m minitrain.train``).
+"""Sharded, atomic checkpoints of a training run on a device mesh (``python -m minitrain.train``).
+
+Not activation checkpointing (chapter 3, ``minitrain.checkpointing``): these are the files a
+run is saved to and resumed from.
 
 Chapter 11, notebooks/11_putting_it_together.ipynb. Chapter 5's ``minitrain.zero.checkpoint``
 saves the shards of *one* data-parallel group; on a mesh there is one such group per

@@ -1,0 +1,155 @@
+"""``parallelize(model, mesh, layout)``: chapters 3–7 and 10 applied to one GPT, each over its group.
+
+Chapter 11, notebooks/11_putting_it_together.ipynb (``ParallelGPT`` in ``trainer.py`` calls it).
+As torchtitan composes a model (``parallelize_llama``: apply TP, then AC, then data parallel),
+the composition is a sequence of functions, each taking the mesh group of its axis and
+changing the model only through the chapters' public entry points — no class swapped here, no
+method overwritten:
+
+1. ``apply_tensor_parallel`` (chapter 6) splits every block's matrices over ``mesh.group("tp")``
+   (Shoeybi et al. 2019; with sequence parallelism Korthikanti et al. 2022);
+2. ``apply_context_parallel`` (chapter 10) puts ring attention over ``mesh.group("cp")`` in every
+   block (Liu et al. 2023); the shard's positions reach the GPT as an argument
+   (``model(idx, positions=...)``), which the trainer passes on every forward;
+3. ``apply_pipeline`` (chapter 7) keeps this ``pp`` coordinate's share of the blocks;
+   full recomputation (chapter 3) is applied per stage chunk, or to the whole model;
+4. ``apply_data_parallel`` (chapters 4–5) averages gradients over ``mesh.group("dp_cp")``
+   (DDP) or shards optimizer state, gradients, parameters (ZeRO 1–3, Rajbhandari et al. 2020).
+
+Gradients of CP ranks are averaged with the DP ones, in one reduction over DP × CP: each CP
+rank's loss covers its tokens only (Megatron-LM folds CP into its data-parallel group the same way).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from minitrain.checkpointing import set_checkpointing
+from minitrain.context_parallel import ContextParallelGPT
+from minitrain.ddp import DataParallel
+from minitrain.model import GPT, lm_loss
+from minitrain.parallel.mesh import DeviceMesh
+from minitrain.pipeline import PipelineStage
+from minitrain.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
+from minitrain.zero import ShardedOptimizer, ZeroDataParallel
+
+# "sgd" (lr = 1 in the tests) shows a constant error in a gradient's scale, which AdamW's
+# m / sqrt(v) cancels: a sum instead of a mean, a LayerNorm gradient counted t times
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+
+
+@dataclass
+class Parallelized:
+    """What ``parallelize`` hands the trainer: this rank's share of the model and how to step it."""
+
+    model: GPT  # this rank's share: its TP slices, its pipeline stage's blocks
+    wrapped: nn.Module  # what a step calls: the model, DataParallel, ZeroDataParallel or the stage
+    optimizer: object  # steps this rank's parameters (under ZeRO 1–3, the wrapper itself)
+    loss_fn: Callable  # (logits, targets) -> mean loss; vocab-parallel under TP
+    dp_group: ProcessGroup | None  # gradients and logged losses are averaged over it (DP × CP)
+    replicas: int  # its size
+    stage: PipelineStage | None = None
+    context: ContextParallelGPT | None = None  # shards a batch, says where its tokens sit
+
+
+def full_layout(layout: dict) -> dict:
+    """The layout with every key: dp, tp, pp, cp (1), zero (0), microbatches (1), schedule
+    ("1f1b"), sequence_parallel (False), checkpointing ("none" or "full": every block
+    recomputed, chapter 3), optimizer ("adamw" or "sgd"). A planner ``Layout``'s fields are
+    these keys (``minitrain.parallel.layout_dict``)."""
+    out = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "zero": 0, "microbatches": 1,
+           "schedule": "1f1b", "sequence_parallel": False, "checkpointing": "none",
+           "optimizer": "adamw"}
+    unknown = set(layout) - set(out)
+    if unknown:
+        raise ValueError(f"unknown layout keys {sorted(unknown)}; expected {sorted(out)}")
+    out.update(layout)
+    if out["zero"] not in (0, 1, 2, 3):
+        raise ValueError(f"zero must be 0, 1, 2 or 3, got {out['zero']!r}")
+    if out["schedule"] not in ("gpipe", "1f1b"):
+        raise ValueError(f"schedule must be 'gpipe' or '1f1b', got {out['schedule']!r}")
+    if out["checkpointing"] not in ("none", "full"):
+        raise ValueError(f"checkpointing must be 'none' or 'full', got {out['checkpointing']!r}")
+    if out["optimizer"] not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, "
+                         f"got {out['optimizer']!r}")
+    return out
+
+
+def check_composition(config, lo: dict) -> None:
+    """What the techniques refuse together, as one clear error (``check_layout`` has the
+    divisibilities of each axis alone)."""
+    if lo["sequence_parallel"] and (config.seq_len // lo["cp"]) % lo["tp"]:
+        raise ValueError(f"sequence parallelism cuts each rank's {config.seq_len // lo['cp']} "
+                         f"positions (seq_len {config.seq_len} / cp {lo['cp']}) over "
+                         f"tp={lo['tp']} ranks: they must divide evenly")
+    if lo["pp"] > 1 and lo["zero"] > 1:
+        raise ValueError(
+            f"zero={lo['zero']} with pp={lo['pp']}: ZeRO-2/3 shard gradients and parameters "
+            "that every micro-batch of a pipeline needs again (Megatron-LM and DeepSpeed do "
+            "not combine them either); use --zero 0 or 1 with a pipeline")
+
+
+def apply_context_parallel(model: GPT, group: ProcessGroup | None,
+                           layout: str = "zigzag") -> ContextParallelGPT:
+    """Chapter 10 over ``group``: ring attention in every block (with TP + SP, each TP rank
+    cuts this CP rank's shard further, as Megatron-Core does). Returns chapter 10's
+    ``ContextParallelGPT``, whose ``shard(x)`` cuts a batch and ``positions(x)`` says where
+    this rank's tokens sit; the model itself is called with those positions."""
+    return ContextParallelGPT(model, group, layout=layout)
+
+
+def apply_pipeline(model: GPT, group: ProcessGroup | None, checkpointing=None) -> PipelineStage:
+    """Chapter 7 over ``group``: this stage keeps its blocks (and the embeddings or the head);
+    ``checkpointing`` (chapter 3's policy) is applied to each of its chunks."""
+    return PipelineStage(model, group, checkpointing=checkpointing)
+
+
+def apply_data_parallel(model: GPT, group: ProcessGroup | None, zero: int, optimizer_cls,
+                        lr: float, stage: PipelineStage | None = None):
+    """Chapters 4–5 over ``group`` (the mesh's ``dp_cp``); returns (what a step calls, the
+    optimizer). Under a pipeline the stage averages gradients itself, once per step
+    (``train_step(dp_group=...)``), and ZeRO-1 shards the optimizer state; without one, DDP
+    (``zero=0``, nothing to do on one replica) or ``ZeroDataParallel`` (stages 1–3, an
+    optimizer of its own)."""
+    if stage is not None:
+        params = [p for p in model.parameters() if p.requires_grad]
+        if zero == 1:  # chapter 5's ZeRO-1 under the pipeline's averaged gradients
+            return stage, ShardedOptimizer(params, optimizer_cls, group=group, lr=lr)
+        return stage, optimizer_cls(params, lr=lr)
+    if zero == 0:
+        wrapped = DataParallel(model, group=group) if dist.get_world_size(group) > 1 else model
+        return wrapped, optimizer_cls(model.parameters(), lr=lr)
+    wrapped = ZeroDataParallel(model, optimizer_cls, zero, group=group, lr=lr)
+    return wrapped, wrapped  # step() and zero_grad() of its own
+
+
+def parallelize(model: GPT, mesh: DeviceMesh, layout: dict, lr: float = 1e-3,
+                seed: int | None = None) -> Parallelized:
+    """Make the dense ``model`` (the same on every rank: same seed) this rank's share of
+    ``layout`` over ``mesh``, in place: TP, CP, PP (with recomputation), then DP. ``lr`` is
+    the optimizer's, ``seed`` seeds TP's per-rank dropout stream (default: torch's)."""
+    lo, config = full_layout(layout), model.config
+    check_composition(config, lo)
+    dp_group, tp_group = mesh.group("dp_cp"), mesh.group("tp")
+    loss_fn = lm_loss
+    if lo["tp"] > 1:  # with SP and CP, SP cuts this CP rank's shard further (Megatron-Core)
+        apply_tensor_parallel(model, tp_group, lo["sequence_parallel"], seed=seed)
+        # this rank holds a vocabulary slice of the logits
+        loss_fn = functools.partial(vocab_parallel_cross_entropy, group=tp_group)
+    context = apply_context_parallel(model, mesh.group("cp")) if lo["cp"] > 1 else None
+    recompute = "full" if lo["checkpointing"] == "full" else None
+    stage = apply_pipeline(model, mesh.group("pp"), recompute) if lo["pp"] > 1 else None
+    if recompute and stage is None:  # chapter 3: every block recomputed in backward
+        set_checkpointing(model, recompute)
+    wrapped, optimizer = apply_data_parallel(model, dp_group, lo["zero"],
+                                             OPTIMIZERS[lo["optimizer"]], lr, stage)
+    return Parallelized(model, wrapped, optimizer, loss_fn, dp_group,
+                        dist.get_world_size(dp_group), stage, context)

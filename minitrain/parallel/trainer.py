@@ -1,0 +1,165 @@
+"""The trainer of chapter 11: one rank's step on a device mesh, apart from the parallelization.
+
+Chapter 11, notebooks/11_putting_it_together.ipynb; ``python -m minitrain.train`` calls it.
+``parallelize`` (``parallelize.py``) turns the dense GPT into this rank's share of a layout;
+``ParallelGPT`` does what a training loop does with it: the batching (this data-parallel rank's
+rows, this context-parallel rank's tokens and their positions), micro-batches and gradient
+accumulation, the pipeline's step, the loss averaged over the replicas, and the state a
+checkpoint needs to continue bit-exactly.
+
+Every rank starts from the same dense model (same seed), so each rank's shards are slices of
+the single-process model: the loss curve is the single process's, within float rounding.
+The global batch is fixed; ``minitrain.data.get_batch`` hands data-parallel rank r its
+rows, and every tensor-parallel (and pipeline) rank of a data-parallel replica reads the same.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+from minitrain.data import get_batch
+from minitrain.ddp import DataParallel
+from minitrain.model import GPT, GPTConfig
+from minitrain.parallel.mesh import DeviceMesh, check_layout
+from minitrain.parallel.parallelize import (
+    OPTIMIZERS,
+    check_composition,
+    full_layout,
+    parallelize,
+)
+from minitrain.tensor_parallel.random import load_rng_state_dict, rng_state_dict
+from minitrain.zero import ZeroDataParallel
+
+
+class ParallelGPT:
+    """One rank's share of the GPT on a mesh, its optimizer, and ``step(step_index)``.
+
+    ``layout``: dict with dp, tp, pp, cp, zero (0–3), microbatches, schedule ("gpipe" or
+    "1f1b"), sequence_parallel, checkpointing, optimizer (``full_layout``). ``step`` returns
+    the global mean loss of that step (the same number on every rank), exactly what one
+    process computes on the whole batch. ``state()`` / ``load_state()`` (or ``state_dict()`` /
+    ``load_state_dict()``) save and restore everything a bit-exact continuation needs.
+    """
+
+    def __init__(self, config: GPTConfig, layout: dict, batch_size: int, lr: float, seed: int,
+                 mesh: DeviceMesh | None = None):
+        self.config, self.batch_size, self.seed = config, batch_size, seed
+        self.layout = lo = full_layout(layout)
+        check_layout(config, lo["dp"], lo["tp"], lo["pp"], lo["cp"], config.seq_len,
+                     batch_size, lo["microbatches"])
+        check_composition(config, lo)  # refused before any group is built
+        self.mesh = mesh or DeviceMesh(dp=lo["dp"], tp=lo["tp"], pp=lo["pp"], cp=lo["cp"])
+        torch.manual_seed(seed)  # the same dense model on every rank
+        parts = parallelize(GPT(config), self.mesh, lo, lr=lr, seed=seed)
+        self.model, self.wrapped, self.optimizer = parts.model, parts.wrapped, parts.optimizer
+        self.stage, self.context, self.loss_fn = parts.stage, parts.context, parts.loss_fn
+        self.dp_group, self.replicas = parts.dp_group, parts.replicas
+
+    def local_batch(self, step: int):
+        """This data-parallel rank's rows of the global batch of ``step``."""
+        c = self.config
+        x, y = get_batch(step, self.batch_size, self.mesh.coords().dp, self.layout["dp"],
+                         vocab_size=c.vocab_size, seq_len=c.seq_len, seed=self.seed)
+        if self.context is not None:  # and this context-parallel rank's tokens of it
+            x, y = self.context.shard(x), self.context.shard(y)
+        return x, y
+
+    def step(self, step: int) -> float:
+        """One optimizer step on the global batch of ``step``; the global mean loss."""
+        x, y = self.local_batch(step)
+        # where this rank's tokens sit in the sequence: 0..s-1, or its CP shard's (chapter 10)
+        pos = None if self.context is None else self.context.positions(x)
+        m = self.layout["microbatches"]
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.stage is not None:
+            dp = self.dp_group if self.replicas > 1 else None
+            loss = self.stage.train_step(x, y, self.layout["schedule"], m, dp_group=dp,
+                                         positions=pos)
+            self.optimizer.step()
+            return self.reduce_loss(loss)
+        total = 0.0
+        chunks = list(zip(x.chunk(m), y.chunk(m)))
+        for i, (xi, yi) in enumerate(chunks):
+            # gradient accumulation: only the last micro-batch's backward synchronises
+            last = i == len(chunks) - 1
+            accumulate = isinstance(self.wrapped, DataParallel) and not last
+            sync = self.wrapped.no_sync() if accumulate else nullcontext()
+            with sync:
+                loss = self.loss_fn(self.wrapped(xi, positions=pos), yi) / m
+                loss.backward()
+            total += loss.detach()
+        self.optimizer.step()
+        return self.reduce_loss(total)
+
+    def reduce_loss(self, local: torch.Tensor) -> float:
+        """The mean over data- and context-parallel ranks (TP ranks already agree): one fp32
+        all-reduce (every rank holds as many tokens)."""
+        t = local.detach().reshape(1).clone()
+        if self.replicas > 1:
+            dist.all_reduce(t, group=self.dp_group)
+            t /= self.replicas
+        return t.item()
+
+    def state(self) -> dict:
+        """What a checkpoint must hold to continue bit-exactly: weights, optimizer, RNG."""
+        out = {"model": self.model_state(), "rng": torch.get_rng_state(),
+               "tp_rng": rng_state_dict(self.model)}  # TP dropout's per-rank streams
+        if isinstance(self.wrapped, ZeroDataParallel):  # its shards and its inner optimizer
+            out["shards"] = [u.master.detach().clone() for u in self.wrapped.live_units()]
+            out["optimizer"] = self.wrapped.optimizer.state_dict()
+        else:
+            out["optimizer"] = self.optimizer.state_dict()
+        return out
+
+    def model_state(self) -> dict:
+        """The weights this rank holds. Under ZeRO the shards (``state()["shards"]``) are
+        the weights and the module holds no tensor of its own: stage 3's parameters are
+        views of freed storage (saving them writes empty storages, a file no one can load),
+        so nothing of the module is saved; without ZeRO its ``state_dict()``."""
+        if isinstance(self.wrapped, ZeroDataParallel):
+            return {}
+        return self.model.state_dict()
+
+    def load_state(self, state: dict) -> None:
+        if isinstance(self.wrapped, ZeroDataParallel):
+            with torch.no_grad():
+                for u, saved in zip(self.wrapped.live_units(), state["shards"]):
+                    u.master.copy_(saved)
+                    u.shard.copy_(saved)
+            self.wrapped.optimizer.load_state_dict(state["optimizer"])
+            self.wrapped.refresh_from_shards()  # the module's parameters from the shards
+        else:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+        load_rng_state_dict(self.model, state.get("tp_rng", {}))
+
+    def state_dict(self) -> dict:
+        """``state()``, under the name torch's modules and optimizers give it."""
+        return self.state()
+
+    def load_state_dict(self, state: dict) -> None:
+        """``load_state(state)``, under the name torch's modules and optimizers give it."""
+        self.load_state(state)
+
+
+def single_process_losses(config: GPTConfig, steps: int, batch_size: int, lr: float,
+                          seed: int, first_step: int = 0, optimizer: str = "adamw") -> list[float]:
+    """The reference: the dense GPT, AdamW (or ``optimizer``), the whole global batch, one
+    process."""
+    torch.manual_seed(seed)
+    model = GPT(config)
+    opt = OPTIMIZERS[optimizer](model.parameters(), lr=lr)
+    losses = []
+    for step in range(first_step, first_step + steps):
+        x, y = get_batch(step, batch_size, vocab_size=config.vocab_size, seq_len=config.seq_len,
+                         seed=seed)
+        opt.zero_grad(set_to_none=True)
+        loss = model.loss(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
