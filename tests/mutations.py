@@ -298,9 +298,9 @@ MUTATIONS = [
     Mutation(
         "flash: D computed from the block's own output, not the given (global) one",
         "minitrain/flash_attention/tiles.py",
-        "delta = (do.float() * o.float()).sum(dim=-1)",
-        "delta = (do.float() * flash_attention_forward(q, k, v, causal, block_q, block_k)[0]"
-        ".reshape(qg.shape).float()).sum(dim=-1)",
+        "delta = (do.to(acc) * o.to(acc)).sum(dim=-1)",
+        "delta = (do.to(acc) * flash_attention_forward(q, k, v, causal, block_q, block_k)[0]"
+        ".reshape(qg.shape).to(acc)).sum(dim=-1)",
         ["tests/test_flash_attention.py::test_backward_with_global_out_and_lse_gives_each_key_blocks_share"],
     ),
     Mutation(
