@@ -168,8 +168,8 @@ WRONG_ANSWERS = [
       "return acc / row_sum[..., None], m + torch.log(row_sum)",
       "return acc, m + torch.log(row_sum)", ("forward_query_block",)),
     W(9, "block_backward", "forgets the softmax scale in dK",
-      "dk_j = (ds.to(q_i.dtype).transpose(-2, -1) @ q_i).float() * scale",
-      "dk_j = (ds.to(q_i.dtype).transpose(-2, -1) @ q_i).float()", ("block_backward: dk of one whole tile", "the reference")),
+      "dk_j = (ds.to(q_i.dtype).transpose(-2, -1) @ q_i).to(acc_dtype) * scale",
+      "dk_j = (ds.to(q_i.dtype).transpose(-2, -1) @ q_i).to(acc_dtype)", ("block_backward: dk of one whole tile", "the reference")),
     # chapter 10: context parallelism
     W(10, "merge_attention", "keeps the larger log-sum-exp instead of adding the two",
       "lse = m + torch.log(total)", "lse = m", ("merge_attention: the merged logsumexp differs", "yours is")),
