@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from minitrain.runtime.point_to_point import ring_neighbours
 
 
-def pass_the_token(token: torch.Tensor, group=None) -> torch.Tensor:
+def pass_the_token(token: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Pass a token once around the ring; every rank adds ``rank + 1`` to it on the way.
 
     Rank 0 starts: it adds 1 to ``token`` and sends it to rank 1. Every other rank r
@@ -31,7 +32,8 @@ def pass_the_token(token: torch.Tensor, group=None) -> torch.Tensor:
     raise NotImplementedError("exercise: write pass_the_token (see its docstring)")
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, src: int = 0,
+              group: ProcessGroup | None = None) -> torch.Tensor:
     """Copy ``tensor`` from rank ``src`` to every rank, in place, using only send/recv.
 
     The simplest algorithm: ``src`` sends its tensor to each other rank in turn
@@ -42,4 +44,4 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
     # HINT: dist.get_global_rank(group, i) turns a rank of the group into a global rank
     raise NotImplementedError("exercise: write broadcast (see its docstring)")
 
-# minitrain-exercises-hash: b2c3f83a41e16e5e
+# minitrain-exercises-hash: affb90212a52f3ad

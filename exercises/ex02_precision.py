@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from dataclasses import dataclass
 from torch import nn
+from torch.distributed import ProcessGroup
 
 
 def round_significand(sig: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -84,4 +85,4 @@ class MasterWeightOptimizer:
         # HINT: self.optimizer, self.model_params, self.master_params; use torch.no_grad()
         raise NotImplementedError("exercise: write MasterWeightOptimizer.step (see its docstring)")
 
-# minitrain-exercises-hash: b6076dedcbb6e284
+# minitrain-exercises-hash: 2efa63fc5c6c1555

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from torch import nn
+from torch.distributed import ProcessGroup
 from minitrain.collectives.exchange import chunk_sizes, exchange, flat_view as _flat, scratch_buffers
 from minitrain.ddp.gradient_bucket import GradientBucket, make_buckets
 from minitrain.ddp.replicas import broadcast_from_first_rank, check_replicas_match
@@ -22,7 +23,8 @@ from minitrain.runtime import trace
 from minitrain.runtime.point_to_point import ring_neighbours
 
 
-def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
+def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
+                        group: ProcessGroup | None = None) -> torch.Tensor:
     """Sum ``input`` over all ranks and leave chunk r of the sum in ``output`` on rank r.
 
     ``input`` (n elements, not modified) is split into N chunks as by
@@ -52,7 +54,8 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None) -
     raise NotImplementedError("exercise: write ring_reduce_scatter (see its docstring)")
 
 
-def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
+def ring_all_gather(output: torch.Tensor, input: torch.Tensor,
+                    group: ProcessGroup | None = None) -> torch.Tensor:
     """Fill ``output`` on every rank with every rank's ``input``, rank r's input as chunk r.
 
     ``output`` (n elements) is split as by ``output.view(-1).tensor_split(N)``; ``input``
@@ -77,7 +80,7 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> to
     raise NotImplementedError("exercise: write ring_all_gather (see its docstring)")
 
 
-def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def ring_all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Sum ``tensor`` over all ranks, in place: a ring reduce-scatter, then a ring all-gather.
 
     Afterwards every rank holds the same sum, bit for bit (the all-gather copies the one
@@ -121,4 +124,4 @@ class DataParallel:
         # HINT: dividing before the sum is what torch DDP does: the average is then the all-reduce
         raise NotImplementedError("exercise: write DataParallel._on_grad_ready (see its docstring)")
 
-# minitrain-exercises-hash: 5c56664e32021887
+# minitrain-exercises-hash: 2aecfb512532d0e7

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 from minitrain.ddp import assign_buckets, broadcast_from_first_rank
 from minitrain.fsdp.clipping import clip_grad_norm_
 from minitrain.runtime import trace
@@ -122,4 +123,4 @@ class FullyShardedDataParallel:
         # HINT: dist.all_reduce(tensor, group=..., async_op=True) returns a work handle too
         raise NotImplementedError("exercise: write FullyShardedDataParallel._launch_reduce_scatter (see its docstring)")
 
-# minitrain-exercises-hash: 9a44ddf9f2c66c9d
+# minitrain-exercises-hash: 4c342d8344bb2487

@@ -15,6 +15,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from fractions import Fraction
 from torch import nn
+from torch.distributed import ProcessGroup
 from minitrain.checkpointing import set_checkpointing
 from minitrain.pipeline.check import ScheduleError, dependencies, simulate
 from minitrain.pipeline.executor import PipelineStage, StepState
@@ -69,4 +70,4 @@ def bubble_fraction(schedule, num_chunks: int = 1) -> Fraction:
     # HINT: sweep the stages repeatedly, running each next action whose dependencies finished.
     raise NotImplementedError("exercise: write bubble_fraction (see its docstring)")
 
-# minitrain-exercises-hash: 6ef09417717922b3
+# minitrain-exercises-hash: 996372df2c209421

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from minitrain.context_parallel.layout import check_divisible, rank_chunks
 from minitrain.context_parallel.ring import Exchange, causal_blocks
 from minitrain.flash_attention import flash_attention_backward, flash_attention_forward
@@ -36,7 +37,8 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     raise NotImplementedError("exercise: write merge_attention (see its docstring)")
 
 
-def ring_step(qs, q_chunks, kv, kv_chunks, outs, lses, causal, group=None, send=True):
+def ring_step(qs, q_chunks, kv, kv_chunks, outs, lses, causal, group: ProcessGroup | None = None,
+              send=True):
     """One forward step of ring attention; returns the next K/V block (None if not ``send``).
 
     ``qs``: this rank's query chunks (a list, chunk indices ``q_chunks``); ``kv``: the
@@ -52,4 +54,4 @@ def ring_step(qs, q_chunks, kv, kv_chunks, outs, lses, causal, group=None, send=
     # HINT: kv[0].chunk(len(kv_chunks), dim=-2) gives the key chunks
     raise NotImplementedError("exercise: write ring_step (see its docstring)")
 
-# minitrain-exercises-hash: dfe8adfaeab2eb00
+# minitrain-exercises-hash: c0e6982cc8280e3d

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from minitrain.runtime.point_to_point import ring_neighbours
 
 
-def pass_the_token(token: torch.Tensor, group=None) -> torch.Tensor:
+def pass_the_token(token: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Pass a token once around the ring; every rank adds ``rank + 1`` to it on the way.
 
     Rank 0 starts: it adds 1 to ``token`` and sends it to rank 1. Every other rank r
@@ -42,7 +43,8 @@ def pass_the_token(token: torch.Tensor, group=None) -> torch.Tensor:
     ### END SOLUTION
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, src: int = 0,
+              group: ProcessGroup | None = None) -> torch.Tensor:
     """Copy ``tensor`` from rank ``src`` to every rank, in place, using only send/recv.
 
     The simplest algorithm: ``src`` sends its tensor to each other rank in turn
@@ -65,4 +67,4 @@ def broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
     return tensor
     ### END SOLUTION
 
-# minitrain-exercises-hash: 5495f0071852d008
+# minitrain-exercises-hash: 66a7cc94147078c5

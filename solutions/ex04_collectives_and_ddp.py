@@ -11,6 +11,7 @@ import torch.distributed as dist
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from torch import nn
+from torch.distributed import ProcessGroup
 from minitrain.collectives.exchange import chunk_sizes, exchange, flat_view as _flat, scratch_buffers
 from minitrain.ddp.gradient_bucket import GradientBucket, make_buckets
 from minitrain.ddp.replicas import broadcast_from_first_rank, check_replicas_match
@@ -18,7 +19,8 @@ from minitrain.runtime import trace
 from minitrain.runtime.point_to_point import ring_neighbours
 
 
-def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
+def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
+                        group: ProcessGroup | None = None) -> torch.Tensor:
     """Sum ``input`` over all ranks and leave chunk r of the sum in ``output`` on rank r.
 
     ``input`` (n elements, not modified) is split into N chunks as by
@@ -65,7 +67,8 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None) -
     ### END SOLUTION
 
 
-def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
+def ring_all_gather(output: torch.Tensor, input: torch.Tensor,
+                    group: ProcessGroup | None = None) -> torch.Tensor:
     """Fill ``output`` on every rank with every rank's ``input``, rank r's input as chunk r.
 
     ``output`` (n elements) is split as by ``output.view(-1).tensor_split(N)``; ``input``
@@ -98,7 +101,7 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> to
     ### END SOLUTION
 
 
-def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def ring_all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Sum ``tensor`` over all ranks, in place: a ring reduce-scatter, then a ring all-gather.
 
     Afterwards every rank holds the same sum, bit for bit (the all-gather copies the one
@@ -178,4 +181,4 @@ class DataParallel:
             self._launch_ready_buckets()
         ### END SOLUTION
 
-# minitrain-exercises-hash: 14cb6197f17a5c7a
+# minitrain-exercises-hash: 416855c05f2c2d67

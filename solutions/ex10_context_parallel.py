@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from minitrain.context_parallel.layout import check_divisible, rank_chunks
 from minitrain.context_parallel.ring import Exchange, causal_blocks
 from minitrain.flash_attention import flash_attention_backward, flash_attention_forward
@@ -41,7 +42,8 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     ### END SOLUTION
 
 
-def ring_step(qs, q_chunks, kv, kv_chunks, outs, lses, causal, group=None, send=True):
+def ring_step(qs, q_chunks, kv, kv_chunks, outs, lses, causal, group: ProcessGroup | None = None,
+              send=True):
     """One forward step of ring attention; returns the next K/V block (None if not ``send``).
 
     ``qs``: this rank's query chunks (a list, chunk indices ``q_chunks``); ``kv``: the
@@ -68,4 +70,4 @@ def ring_step(qs, q_chunks, kv, kv_chunks, outs, lses, causal, group=None, send=
     return exchange.wait() if exchange is not None else None
     ### END SOLUTION
 
-# minitrain-exercises-hash: 9c380ca9d1f4d592
+# minitrain-exercises-hash: b774544c202eaf24

@@ -17,6 +17,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from minitrain.bench import bench_parser
 from minitrain.runtime import launch
@@ -26,7 +27,7 @@ SIZES = [KB * 4**i for i in range(9)]  # 1 KB, 4 KB, ..., 64 MB
 QUICK_SIZES = [KB, 64 * KB, MB, 4 * MB, 16 * MB]
 
 
-def _time_once(fn, x: torch.Tensor, group=None) -> float:
+def _time_once(fn, x: torch.Tensor, group: ProcessGroup | None = None) -> float:
     """The slowest rank's time for one all-reduce of a copy of ``x`` (an op ends when its
     last rank does)."""
     y = x.clone()
@@ -38,11 +39,11 @@ def _time_once(fn, x: torch.Tensor, group=None) -> float:
     return elapsed.item()
 
 
-def _torch_all_reduce(t, group=None):
+def _torch_all_reduce(t, group: ProcessGroup | None = None):
     dist.all_reduce(t, group=group)
 
 
-def _ring(t, group=None):
+def _ring(t, group: ProcessGroup | None = None):
     from minitrain import collectives
 
     collectives.ring_all_reduce(t, group)  # looked up at call time: a learner's patch applies

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from minitrain.collectives.exchange import chunk_sizes, exchange
 
@@ -21,7 +22,7 @@ from minitrain.collectives.exchange import send_counted as _send
 from minitrain.collectives.ring import ring_all_reduce
 
 
-def naive_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def naive_all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Sum ``tensor`` over all ranks, in place: reduce to rank 0 of the group, then broadcast.
 
     The root receives N-1 tensors, adds them in rank order and sends the sum to N-1
@@ -43,7 +44,8 @@ def naive_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     return tensor
 
 
-def recursive_doubling_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def recursive_doubling_all_reduce(tensor: torch.Tensor,
+                                  group: ProcessGroup | None = None) -> torch.Tensor:
     """Sum ``tensor`` over all ranks, in place, in log2(N) steps of whole-tensor swaps.
 
     With N a power of two, at step k rank r swaps its partial sum with rank r XOR 2^k
@@ -112,7 +114,8 @@ def predicted_bytes_sent(
 ALGORITHMS = ("naive", "ring", "recursive_doubling")
 
 
-def all_reduce(tensor: torch.Tensor, algorithm: str = "ring", group=None) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, algorithm: str = "ring",
+               group: ProcessGroup | None = None) -> torch.Tensor:
     """Sum ``tensor`` over all ranks in place with the named algorithm (one of ALGORITHMS).
 
     Looked up by name at call time, so a learner's ring_all_reduce patched in by the

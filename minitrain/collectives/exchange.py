@@ -21,6 +21,7 @@ import threading
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from minitrain.runtime.communication_log import COMMUNICATION_LOG
 
@@ -40,7 +41,8 @@ def _count(tensor: torch.Tensor) -> None:
     COMMUNICATION_LOG.record(SOURCE, "send", tensor.numel() * tensor.element_size())
 
 
-def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group=None) -> None:
+def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
+             group: ProcessGroup | None = None) -> None:
     """Send ``send`` to global rank ``dst`` while receiving ``recv`` from ``src``; wait for both.
 
     Posting the receive and the send together is what keeps a ring from deadlocking (if
@@ -75,13 +77,13 @@ def scratch_buffers(numel: int, like: torch.Tensor) -> tuple[torch.Tensor, torch
     return buf[0, :numel], buf[1, :numel]
 
 
-def send_counted(tensor: torch.Tensor, dst: int, group=None) -> None:
+def send_counted(tensor: torch.Tensor, dst: int, group: ProcessGroup | None = None) -> None:
     if tensor.numel():
         dist.send(tensor, dst, group=group)
         _count(tensor)
 
 
-def recv_nonempty(tensor: torch.Tensor, src: int, group=None) -> None:
+def recv_nonempty(tensor: torch.Tensor, src: int, group: ProcessGroup | None = None) -> None:
     if tensor.numel():
         dist.recv(tensor, src, group=group)
 

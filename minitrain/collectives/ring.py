@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from minitrain.collectives.exchange import chunk_sizes, exchange, scratch_buffers
 
@@ -25,7 +26,8 @@ from minitrain.collectives.exchange import flat_view as _flat
 from minitrain.runtime.point_to_point import ring_neighbours
 
 
-def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
+def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
+                        group: ProcessGroup | None = None) -> torch.Tensor:
     """Sum ``input`` over all ranks and leave chunk r of the sum in ``output`` on rank r.
 
     ``input`` (n elements, not modified) is split into N chunks as by
@@ -72,7 +74,8 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None) -
     ### END SOLUTION
 
 
-def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> torch.Tensor:
+def ring_all_gather(output: torch.Tensor, input: torch.Tensor,
+                    group: ProcessGroup | None = None) -> torch.Tensor:
     """Fill ``output`` on every rank with every rank's ``input``, rank r's input as chunk r.
 
     ``output`` (n elements) is split as by ``output.view(-1).tensor_split(N)``; ``input``
@@ -105,7 +108,7 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group=None) -> to
     ### END SOLUTION
 
 
-def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def ring_all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Sum ``tensor`` over all ranks, in place: a ring reduce-scatter, then a ring all-gather.
 
     Afterwards every rank holds the same sum, bit for bit (the all-gather copies the one

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -63,7 +64,8 @@ def shard_positions(seq_len: int, rank: int, world_size: int, layout: str = "con
     return torch.cat([torch.arange(i * c, (i + 1) * c) for i in rank_chunks(rank, world_size, layout)])
 
 
-def shard_sequence(x: torch.Tensor, group=None, layout: str = "contiguous") -> torch.Tensor:
+def shard_sequence(x: torch.Tensor, group: ProcessGroup | None = None,
+                   layout: str = "contiguous") -> torch.Tensor:
     """This rank's shard of ``x`` along dimension -2 (the sequence), as a new tensor.
 
     ``x`` is the whole sequence, the same on every rank. Contiguous: rank r gets the r-th
@@ -75,7 +77,8 @@ def shard_sequence(x: torch.Tensor, group=None, layout: str = "contiguous") -> t
     return torch.cat([chunks[i] for i in rank_chunks(rank, world, layout)], dim=-2)
 
 
-def gather_sequence(shard: torch.Tensor, group=None, layout: str = "contiguous") -> torch.Tensor:
+def gather_sequence(shard: torch.Tensor, group: ProcessGroup | None = None,
+                    layout: str = "contiguous") -> torch.Tensor:
     """Undo ``shard_sequence``: every rank gets the whole sequence (an all-gather).
 
     Differentiable is not needed here (tests and the notebook gather results to compare);

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from minitrain.context_parallel.layout import shard_positions, shard_sequence
 from minitrain.context_parallel.ring import ring_attention
@@ -39,7 +40,7 @@ class ContextParallelGPT(nn.Module):
     Attention dropout is not supported (ring attention has no dropout mask).
     """
 
-    def __init__(self, module: GPT, group=None, layout: str = "contiguous"):
+    def __init__(self, module: GPT, group: ProcessGroup | None = None, layout: str = "contiguous"):
         super().__init__()
         self.module, self.group, self.layout = module, group, layout
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from minitrain.context_parallel.layout import check_divisible, rank_chunks
 from minitrain.context_parallel.merge import merge_attention
@@ -59,7 +60,7 @@ class Exchange:
     ring is a loop: the tensor is its own successor and nothing is sent.
     """
 
-    def __init__(self, tensor, group=None, what="K,V", tag=KV_TAG):
+    def __init__(self, tensor, group: ProcessGroup | None = None, what="K,V", tag=KV_TAG):
         self.what, self.start, self.requests = what, trace.now(), []
         self.sent = tensor.contiguous()  # kept alive until the send completes
         if dist.get_world_size(group) == 1:
@@ -99,7 +100,8 @@ def causal_blocks(q_chunks, kv_chunks, causal):
             yield i, j, causal and kc == qc
 
 
-def ring_step(qs, q_chunks, kv, kv_chunks, outs, lses, causal, group=None, send=True):
+def ring_step(qs, q_chunks, kv, kv_chunks, outs, lses, causal, group: ProcessGroup | None = None,
+              send=True):
     """One forward step of ring attention; returns the next K/V block (None if not ``send``).
 
     ``qs``: this rank's query chunks (a list, chunk indices ``q_chunks``); ``kv``: the
@@ -127,7 +129,7 @@ def ring_step(qs, q_chunks, kv, kv_chunks, outs, lses, causal, group=None, send=
     ### END SOLUTION
 
 
-def ring_forward(q, k, v, causal=False, group=None, layout="contiguous"):
+def ring_forward(q, k, v, causal=False, group: ProcessGroup | None = None, layout="contiguous"):
     """(out, lse) of this rank's queries over the whole sequence: P calls of ``ring_step``."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     q_chunks = rank_chunks(rank, world, layout)
@@ -142,7 +144,8 @@ def ring_forward(q, k, v, causal=False, group=None, layout="contiguous"):
     return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
 
-def ring_backward(q, k, v, out, lse, grad_out, causal=False, group=None, layout="contiguous"):
+def ring_backward(q, k, v, out, lse, grad_out, causal=False, group: ProcessGroup | None = None,
+                  layout="contiguous"):
     """(dq, dk, dv) of this rank's shard; dK and dV travel round the ring with their block."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     q_chunks = rank_chunks(rank, world, layout)
@@ -190,7 +193,7 @@ class RingAttentionFunction(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def ring_attention(q, k, v, causal=False, group=None, layout="contiguous"):
+def ring_attention(q, k, v, causal=False, group: ProcessGroup | None = None, layout="contiguous"):
     """This rank's shard of attention over the whole sequence, split across ``group``.
 
     ``q``, ``k``, ``v``: ``(..., n, d)``, this rank's shard of the sequence as

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from minitrain.ddp.bucketing import assign_buckets  # noqa: F401 — importable from here too
 from minitrain.ddp.gradient_bucket import GradientBucket, make_buckets
@@ -74,7 +75,7 @@ class DataParallel(nn.Module):
         self,
         module: nn.Module,
         bucket_cap_mb: float = 25.0,
-        group=None,
+        group: ProcessGroup | None = None,
         overlap: bool = True,
         communication="torch",
     ):

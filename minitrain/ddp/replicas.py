@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
 
-def broadcast_from_first_rank(module: nn.Module, group=None) -> None:
+def broadcast_from_first_rank(module: nn.Module, group: ProcessGroup | None = None) -> None:
     """Make every rank's copy of ``module`` (parameters and buffers) equal to that of the
     group's first rank: replicas must start equal (chapter 4's DDP, chapter 5's ZeRO)."""
     src = 0 if group is None else dist.get_global_rank(group, 0)
@@ -23,7 +24,7 @@ def broadcast_from_first_rank(module: nn.Module, group=None) -> None:
             dist.broadcast(t.data, src, group=group)
 
 
-def check_replicas_match(params: list[nn.Parameter], group=None) -> None:
+def check_replicas_match(params: list[nn.Parameter], group: ProcessGroup | None = None) -> None:
     """Different models on different ranks would deadlock later: fail now, naming them.
 
     Compares the number of trainable parameters and of their elements over ``group``

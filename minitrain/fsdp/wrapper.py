@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from minitrain.ddp import broadcast_from_first_rank
 from minitrain.fsdp.clipping import clip_grad_norm_
@@ -47,7 +48,8 @@ class FullyShardedDataParallel(ShardedUnits):
 
     stage = 3  # for the sharded checkpoints of minitrain.zero
 
-    def __init__(self, module, group=None, compute_dtype=None, replicated_params=None, units=None):
+    def __init__(self, module, group: ProcessGroup | None = None, compute_dtype=None,
+                 replicated_params=None, units=None):
         super().__init__()
         if compute_dtype is not None and (
             not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point

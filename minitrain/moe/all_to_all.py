@@ -21,6 +21,7 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from minitrain.runtime import trace
 from minitrain.runtime.communication_log import COMMUNICATION_LOG
@@ -37,7 +38,7 @@ def reset_communication_log() -> None:
     COMMUNICATION_LOG.reset(SOURCE)
 
 
-def exchange_counts(send_counts: torch.Tensor, group=None) -> torch.Tensor:
+def exchange_counts(send_counts: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """All-to-all of equal chunks: chunk p of ``send_counts`` goes to rank p; returns the
     chunks received, chunk r from rank r (same shape)."""
     received = torch.empty_like(send_counts)
@@ -46,7 +47,8 @@ def exchange_counts(send_counts: torch.Tensor, group=None) -> torch.Tensor:
     return received
 
 
-def check_splits(send_splits: list[int], recv_splits: list[int], group=None) -> None:
+def check_splits(send_splits: list[int], recv_splits: list[int],
+                 group: ProcessGroup | None = None) -> None:
     """Fail on every rank if rank r's send to p differs from what p expects from r.
 
     One all-gather of 2P integers per rank: then every rank sees the whole matrix and
@@ -97,5 +99,5 @@ class AllToAll(torch.autograd.Function):
                 None, None, None, None)
 
 
-def all_to_all(x, out_splits, in_splits, group=None, name="all-to-all"):
+def all_to_all(x, out_splits, in_splits, group: ProcessGroup | None = None, name="all-to-all"):
     return AllToAll.apply(x, list(out_splits), list(in_splits), group, name)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from minitrain.model import GPT
 from minitrain.moe.layer import MoELayer
@@ -65,7 +66,7 @@ def moe_training_loss(model: GPT, idx: torch.Tensor, targets: torch.Tensor) -> t
                      for m in moe_layers(model)), torch.zeros(()))
 
 
-def apply_expert_parallel(model: GPT, group=None) -> GPT:
+def apply_expert_parallel(model: GPT, group: ProcessGroup | None = None) -> GPT:
     """Replace every ``MoELayer`` by ``ExpertParallelMoE.from_local`` over ``group`` (in
     place; returned). Each rank then feeds the model its own slice of the batch, as in data
     parallelism; after backward call ``expert_parallel_gradient_sync``."""
@@ -77,7 +78,7 @@ def apply_expert_parallel(model: GPT, group=None) -> GPT:
     return model
 
 
-def expert_parallel_gradient_sync(model: nn.Module, group=None) -> None:
+def expert_parallel_gradient_sync(model: nn.Module, group: ProcessGroup | None = None) -> None:
     """After backward: every parameter outside the experts is replicated, so its gradient is
     averaged over the group (data parallelism); the MoE layers do their own (router averaged,
     experts divided by P). Then the gradients equal the local model's for the mean loss."""

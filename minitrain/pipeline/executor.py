@@ -45,6 +45,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from minitrain.checkpointing import set_checkpointing
 from minitrain.pipeline.check import simulate
@@ -74,7 +75,8 @@ class StepState:
 class PipelineStage(nn.Module):
     """This rank's stage of a pipeline over ``group``; see the module docstring."""
 
-    def __init__(self, model, group=None, num_chunks=1, checkpointing=None, checkpoint_k=1):
+    def __init__(self, model, group: ProcessGroup | None = None, num_chunks=1, checkpointing=None,
+                 checkpoint_k=1):
         super().__init__()
         self.group = group
         self.num_stages, self.stage = dist.get_world_size(group), dist.get_rank(group)
@@ -213,7 +215,8 @@ class PipelineStage(nn.Module):
         simulate(schedule, num_microbatches=m, num_chunks=v)  # raises ScheduleError: no hang
         return schedule
 
-    def train_step(self, inputs, targets, schedule, num_microbatches: int, dp_group=None,
+    def train_step(self, inputs, targets, schedule, num_microbatches: int,
+                   dp_group: ProcessGroup | None = None,
                    positions=None):
         m, batch = num_microbatches, inputs.shape[0]
         if not isinstance(m, int) or m < 1 or batch % m:

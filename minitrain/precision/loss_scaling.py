@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 
 class DynamicLossScaler:
@@ -79,7 +80,7 @@ class DynamicLossScaler:
                     p.grad.mul_(inv_scale.to(p.grad.device))
         self._found_inf[key] = found_inf
 
-    def all_reduce_found_inf(self, optimizer, group=None) -> bool:
+    def all_reduce_found_inf(self, optimizer, group: ProcessGroup | None = None) -> bool:
         """Make this iteration's overflow verdict for `optimizer` the same on every rank of
         `group` (None: the default group): True if *any* rank's `unscale_` saw inf/NaN.
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 
-def ring_neighbours(group=None) -> tuple[int, int]:
+def ring_neighbours(group: ProcessGroup | None = None) -> tuple[int, int]:
     """(previous, next) rank on the ring 0 → 1 → … → N-1 → 0, as global ranks."""
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     prev_local, next_local = (rank - 1) % world, (rank + 1) % world
@@ -25,7 +26,7 @@ def ring_neighbours(group=None) -> tuple[int, int]:
     return dist.get_global_rank(group, prev_local), dist.get_global_rank(group, next_local)
 
 
-def pass_the_token(token: torch.Tensor, group=None) -> torch.Tensor:
+def pass_the_token(token: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
     """Pass a token once around the ring; every rank adds ``rank + 1`` to it on the way.
 
     Rank 0 starts: it adds 1 to ``token`` and sends it to rank 1. Every other rank r
@@ -57,7 +58,8 @@ def pass_the_token(token: torch.Tensor, group=None) -> torch.Tensor:
     ### END SOLUTION
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0, group=None) -> torch.Tensor:
+def broadcast(tensor: torch.Tensor, src: int = 0,
+              group: ProcessGroup | None = None) -> torch.Tensor:
     """Copy ``tensor`` from rank ``src`` to every rank, in place, using only send/recv.
 
     The simplest algorithm: ``src`` sends its tensor to each other rank in turn

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from minitrain.tensor_parallel.layers import group_rank_and_size
 from minitrain.tensor_parallel.mappings import all_reduce
@@ -67,7 +68,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         ### END SOLUTION
 
 
-def vocab_parallel_cross_entropy(logits_shard, targets, group=None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(logits_shard, targets,
+                                 group: ProcessGroup | None = None) -> torch.Tensor:
     """The mean cross-entropy of the *full* logits, rank r holding the r-th vocabulary slice
     of the last dimension; value and gradient equal ``F.cross_entropy`` on the gathered
     logits (flattened over every position)."""

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from minitrain.tensor_parallel.mappings import (
     copy_to_parallel_region,
@@ -32,7 +33,7 @@ from minitrain.tensor_parallel.mappings import (
 )
 
 
-def group_rank_and_size(group=None) -> tuple[int, int]:
+def group_rank_and_size(group: ProcessGroup | None = None) -> tuple[int, int]:
     """(this rank's index in the group, the group's size); (0, 1) without torch.distributed."""
     if not dist.is_initialized():
         return 0, 1
@@ -57,7 +58,8 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features, out_features, bias=True, gather_output=False,
-                 group=None, sequence_parallel=False, communicate_input=True):
+                 group: ProcessGroup | None = None, sequence_parallel=False,
+                 communicate_input=True):
         super().__init__()
         rank, size = group_rank_and_size(group)
         self.group, self.rank, self.tp_size = group, rank, size
@@ -70,7 +72,8 @@ class ColumnParallelLinear(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, **kwargs) -> ColumnParallelLinear:
+    def from_linear(cls, linear: nn.Linear, group: ProcessGroup | None = None,
+                    **kwargs) -> ColumnParallelLinear:
         """Rank r's share of a dense Linear: rows r*o/t .. (r+1)*o/t of its weight and bias."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
                     group=group, **kwargs).to(linear.weight.device, linear.weight.dtype)
@@ -107,7 +110,7 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features, out_features, bias=True, input_is_parallel=True,
-                 group=None, sequence_parallel=False):
+                 group: ProcessGroup | None = None, sequence_parallel=False):
         super().__init__()
         rank, size = group_rank_and_size(group)
         self.group, self.rank, self.tp_size = group, rank, size
@@ -119,7 +122,8 @@ class RowParallelLinear(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group=None, **kwargs) -> RowParallelLinear:
+    def from_linear(cls, linear: nn.Linear, group: ProcessGroup | None = None,
+                    **kwargs) -> RowParallelLinear:
         """Rank r's share of a dense Linear: columns r*i/t .. (r+1)*i/t of its weight; the
         whole bias (every rank keeps it, only the sum gets it)."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
@@ -163,7 +167,8 @@ class VocabParallelEmbedding(nn.Module):
     its shard of the sequence.
     """
 
-    def __init__(self, num_embeddings, embedding_dim, group=None, sequence_parallel=False):
+    def __init__(self, num_embeddings, embedding_dim, group: ProcessGroup | None = None,
+                 sequence_parallel=False):
         super().__init__()
         rank, size = group_rank_and_size(group)
         self.group, self.rank, self.tp_size = group, rank, size
@@ -175,7 +180,7 @@ class VocabParallelEmbedding(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
     @classmethod
-    def from_embedding(cls, embedding: nn.Embedding, group=None, **kwargs):
+    def from_embedding(cls, embedding: nn.Embedding, group: ProcessGroup | None = None, **kwargs):
         """Rank r's share of a dense Embedding: its contiguous slice of the vocabulary."""
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, group=group, **kwargs)
         layer = layer.to(embedding.weight.device, embedding.weight.dtype)

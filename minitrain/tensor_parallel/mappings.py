@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from minitrain.runtime import trace
 from minitrain.runtime.communication_log import COMMUNICATION_LOG
@@ -57,7 +58,8 @@ def _record(name: str, full: torch.Tensor, ring_factor: float, group) -> None:
     COMMUNICATION_LOG.record(SOURCE, name, round(ring_factor * (t - 1) / t * message), message, t)
 
 
-def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None,
+               op=dist.ReduceOp.SUM) -> torch.Tensor:
     """Sum (or ``op``) ``tensor`` over the group, in place; returns it."""
     if _world(group) == 1:
         return tensor
@@ -67,7 +69,7 @@ def all_reduce(tensor: torch.Tensor, group=None, op=dist.ReduceOp.SUM) -> torch.
     return tensor
 
 
-def all_gather(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+def all_gather(tensor: torch.Tensor, dim: int, group: ProcessGroup | None = None) -> torch.Tensor:
     """Concatenate every rank's ``tensor`` along ``dim`` (rank order)."""
     t = _world(group)
     if t == 1:
@@ -80,7 +82,8 @@ def all_gather(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     return full
 
 
-def reduce_scatter(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+def reduce_scatter(tensor: torch.Tensor, dim: int,
+                   group: ProcessGroup | None = None) -> torch.Tensor:
     """Sum ``tensor`` over the group and keep this rank's contiguous slice along ``dim``."""
     t = _world(group)
     if t == 1:
@@ -98,7 +101,7 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
-def split(tensor: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+def split(tensor: torch.Tensor, dim: int, group: ProcessGroup | None = None) -> torch.Tensor:
     """This rank's contiguous slice of ``tensor`` along ``dim`` (no communication)."""
     t = _world(group)
     if t == 1:
@@ -165,27 +168,27 @@ class _Conjugates(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------- the names layers use
-def copy_to_parallel_region(x, group=None):
+def copy_to_parallel_region(x, group: ProcessGroup | None = None):
     """f (Megatron-LM Figure 3): identity forward, all-reduce backward."""
     return CopyToParallelRegion.apply(x, group) if _world(group) > 1 else x
 
 
-def reduce_from_parallel_region(x, group=None):
+def reduce_from_parallel_region(x, group: ProcessGroup | None = None):
     """g (Megatron-LM Figure 3): all-reduce forward, identity backward."""
     return ReduceFromParallelRegion.apply(x, group) if _world(group) > 1 else x
 
 
-def scatter_to_parallel_region(x, group=None):
+def scatter_to_parallel_region(x, group: ProcessGroup | None = None):
     """Keep this rank's slice of the last dimension; backward gathers the gradient."""
     return _Conjugates.apply(x, -1, group, split, all_gather) if _world(group) > 1 else x
 
 
-def gather_from_parallel_region(x, group=None):
+def gather_from_parallel_region(x, group: ProcessGroup | None = None):
     """Concatenate the ranks' slices of the last dimension; backward keeps this rank's."""
     return _Conjugates.apply(x, -1, group, all_gather, split) if _world(group) > 1 else x
 
 
-def gather_from_sequence_parallel_region(x, group=None):
+def gather_from_sequence_parallel_region(x, group: ProcessGroup | None = None):
     """Sequence parallelism's entry (Korthikanti et al. §4.2.2): all-gather the sequence
     shards forward, reduce-scatter the gradient backward."""
     if _world(group) == 1:
@@ -193,7 +196,7 @@ def gather_from_sequence_parallel_region(x, group=None):
     return _Conjugates.apply(x, SEQUENCE_DIM, group, all_gather, reduce_scatter)
 
 
-def reduce_scatter_to_sequence_parallel_region(x, group=None):
+def reduce_scatter_to_sequence_parallel_region(x, group: ProcessGroup | None = None):
     """Its conjugate, the exit: reduce-scatter along the sequence forward, all-gather
     the gradient backward."""
     if _world(group) == 1:
@@ -201,7 +204,7 @@ def reduce_scatter_to_sequence_parallel_region(x, group=None):
     return _Conjugates.apply(x, SEQUENCE_DIM, group, reduce_scatter, all_gather)
 
 
-def scatter_to_sequence_parallel_region(x, group=None):
+def scatter_to_sequence_parallel_region(x, group: ProcessGroup | None = None):
     """Keep this rank's shard of the sequence; backward all-gathers the gradient."""
     if _world(group) == 1:
         return x

@@ -29,6 +29,7 @@ import uuid
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 FORMAT = 1
 
@@ -37,7 +38,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, unreadable or does not match; the message names the file."""
 
 
-def agree_on_errors(error: str | None, group=None, what: str = "") -> None:
+def agree_on_errors(error: str | None, group: ProcessGroup | None = None, what: str = "") -> None:
     """Every rank learns every rank's error: all raise together or none does (no hang).
     ``what`` (e.g. "saving a checkpoint") prefixes the message."""
     errors = [None] * dist.get_world_size(group)

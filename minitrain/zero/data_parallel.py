@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 
 from minitrain.ddp import assign_buckets, broadcast_from_first_rank
 from minitrain.runtime import trace
@@ -78,7 +79,7 @@ class ZeroDataParallel(OrderedGathers):
         module: nn.Module,
         optimizer_cls,
         stage: int,
-        group=None,
+        group: ProcessGroup | None = None,
         bucket_cap_mb: float = 25.0,
         compute_dtype: torch.dtype | None = None,
         loss_scaler=None,

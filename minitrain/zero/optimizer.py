@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from minitrain.zero.accounting import count_sent
 from minitrain.zero.buffers import all_gather_tensor
@@ -25,7 +26,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     rank's shard (with the ownership, to check a resume uses the same world size).
     """
 
-    def __init__(self, params, optimizer_cls, group=None, **kw):
+    def __init__(self, params, optimizer_cls, group: ProcessGroup | None = None, **kw):
         if not (
             isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)
         ):
