@@ -84,7 +84,7 @@ class SleepGPT(nn.Module):
         self.blocks = nn.ModuleList(SleepBlock(t_f, t_b, t_w) for _ in range(n_layer))
         self.ln_f, self.head = nn.Identity(), nn.Identity()
 
-    def embed(self, idx):
+    def embed(self, idx, positions=None):  # positions: the GPT's signature; nothing sits anywhere
         return idx.float().unsqueeze(-1)
 
     def logits(self, h):
