@@ -212,7 +212,7 @@ def test_two_torchrun_nodes_rendezvous_over_c10d():
 
 
 def test_backend_choice(monkeypatch):
-    from minitrain.runtime import launcher as L
+    from minitrain.runtime import rank as L
 
     monkeypatch.delenv("MINITRAIN_BACKEND", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -91,7 +91,7 @@ def test_the_top_of_the_package_stays_small():
         f"{len(top)} modules at the top of minitrain/ (at most {MAX_TOP_LEVEL_MODULES}): {top}; "
         "put a technique's files in its package, the runtime's in minitrain/runtime/"
     )
-    runtime = {"launcher.py", "launch_errors.py", "rank.py", "point_to_point.py", "trace.py"}
+    runtime = {"launch.py", "launch_errors.py", "rank.py", "point_to_point.py", "trace.py"}
     assert runtime <= {p.name for p in (PACKAGE / "runtime").glob("*.py")}
 
 
@@ -303,3 +303,16 @@ def test_no_method_borrowed_from_an_unrelated_class():
                            f"{cls.name if cls else 'a function'}")
     assert not bad, "methods borrowed from classes the caller does not derive from:\n" + \
         "\n".join(bad)
+
+
+def test_the_runtime_exports_the_launch_function_beside_its_module():
+    """``minitrain/runtime/launch.py`` is the file; ``minitrain.runtime.launch`` the function it
+    exports (the package binds the name after importing the module, so it stays the function)."""
+    import importlib
+
+    import minitrain.runtime as runtime
+
+    assert callable(runtime.launch) and runtime.launch.__name__ == "launch"
+    module = importlib.import_module("minitrain.runtime.launch")
+    assert module.__file__.endswith("runtime/launch.py") and module.launch is runtime.launch
+    assert runtime.launch is importlib.import_module("minitrain.runtime").launch

@@ -3,7 +3,7 @@ sees. It knows nothing of techniques, exercises or grading; everything above imp
 
 Notebook 00 teaches it; every multi-process chapter uses it.
 
-- ``launcher.py``: ``launch(fn, world_size, ...)`` from a notebook, a test or a script;
+- ``launch.py``: ``launch(fn, world_size, ...)`` from a notebook, a test or a script;
 - ``rank.py``: a rank's side (``init_from_env`` under torchrun, ``get_device``, the backend);
 - ``launch_errors.py``: waiting for ranks and naming the one that failed (``LaunchError``);
 - ``point_to_point.py``: send/recv helpers (chapter 0's exercises);
@@ -14,8 +14,8 @@ Notebook 00 teaches it; every multi-process chapter uses it.
 """
 
 from minitrain.runtime.communication_log import COMMUNICATION_LOG, CommunicationLog, Message
+from minitrain.runtime.launch import RankResults, add_rank_initializer, launch, run
 from minitrain.runtime.launch_errors import LaunchError
-from minitrain.runtime.launcher import RankResults, add_rank_initializer, launch, run
 from minitrain.runtime.rank import (
     default_backend,
     get_device,

@@ -1,6 +1,6 @@
 """How the launcher's parent learns that a rank failed, died or hangs, and names the rank.
 
-Used by ``minitrain/runtime/launcher.py`` (``launch`` waits for its ranks with ``wait_for_ranks``) and,
+Used by ``minitrain/runtime/launch.py`` (``launch`` waits for its ranks with ``wait_for_ranks``) and,
 through it, by every multi-process notebook from 00_getting_started on: a mistake in a rank
 function is a ``LaunchError`` naming the rank, never a hang. Importable from
 ``minitrain.runtime`` as before (``from minitrain.runtime import LaunchError``).

@@ -47,7 +47,7 @@ from minitrain.runtime.rank import (  # noqa: F401 — part of this module's API
     running_under_torchrun,
 )
 
-_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "minitrain.runtime.launcher", "minitrain.runtime.rank"]
+_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "minitrain.runtime.launch", "minitrain.runtime.rank"]
 
 
 class RankResults(list):
