@@ -15,7 +15,8 @@ from minitrain.runtime import point_to_point
 def test_stub_keeps_signature_docstring_and_hints_but_not_the_solution():
     (token, bcast) = exercises.exercises_of(point_to_point)
     assert token.qualname == "pass_the_token" and bcast.qualname == "broadcast"
-    assert token.stub.startswith("def pass_the_token(token: torch.Tensor, group=None)")
+    assert token.stub.startswith(
+        "def pass_the_token(token: torch.Tensor, group: ProcessGroup | None = None)")
     assert '"""Pass a token once around the ring' in token.stub
     assert "# HINT: rank 0 must send before it receives" in token.stub
     assert "raise NotImplementedError" in token.stub
