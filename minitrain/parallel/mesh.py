@@ -28,18 +28,23 @@ import torch.distributed as dist
 AXES = ("pp", "dp", "cp", "tp")  # outermost first: the rank's digits, most significant first
 
 
-class MeshCoords(NamedTuple):
-    """A rank's coordinates; ``coords.tp`` or ``coords["tp"]``."""
-
+class _Coords(NamedTuple):
     pp: int
     dp: int
     cp: int
     tp: int
 
+
+class MeshCoords(_Coords):
+    """A rank's coordinates; ``coords.tp`` or ``coords["tp"]``. (A subclass of the named tuple,
+    because a ``typing.NamedTuple`` class body cannot call ``super()`` in Python 3.11.)"""
+
+    __slots__ = ()
+
     def __getitem__(self, key):
         if isinstance(key, str):
             return getattr(self, key)
-        return tuple.__getitem__(self, key)
+        return super().__getitem__(key)
 
 
 def _sizes(dp, tp, pp, cp) -> dict:
