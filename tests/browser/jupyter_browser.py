@@ -268,6 +268,11 @@ class NotebookPage:
         return report
 
     def _check_widget(self, out, number: int, settle: float, report, shots) -> None:
+        # JupyterLab skips rendering cells far off screen (CSS content-visibility), and Playwright
+        # then calls their outputs "not visible" and waits for them in vain (seen once in a
+        # fresh-clone run: two notebooks' first widgets): bring the cell on screen from the page
+        # itself first, which works whatever Playwright thinks of it
+        out.evaluate("e => (e.closest('.jp-Cell') || e).scrollIntoView({block: 'center'})")
         out.scroll_into_view_if_needed()
         text = out.inner_text()
         if "Error displaying widget" in text or out.locator(".jupyter-widgets").count() == 0:
