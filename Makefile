@@ -72,10 +72,16 @@ browser: $(READY)
 	@if [ -z "$(CHROMIUM)" ]; then \
 		echo "browser tests SKIPPED: no Chromium found (apt-get install chromium, or set MINITRAIN_CHROMIUM)"; \
 	else \
-		MINITRAIN_CHROMIUM=$(CHROMIUM) MINITRAIN_BROWSER_NOTEBOOKS=$(BROWSER_NOTEBOOKS) \
-			timeout -k 15 $(BROWSER_TIME_LIMIT) $(PYTEST) tests/browser -q -rs -n $(BROWSER_WORKERS) \
-		|| { rc=$$?; [ $$rc -ne 124 ] || echo "browser tests FAILED: the pass took longer than" \
-			"its bound of $(BROWSER_TIME_LIMIT) s (make browser BROWSER_TIME_LIMIT=... to change it)"; exit $$rc; }; \
+		for attempt in 1 2; do \
+			MINITRAIN_CHROMIUM=$(CHROMIUM) MINITRAIN_BROWSER_NOTEBOOKS=$(BROWSER_NOTEBOOKS) \
+				timeout -k 15 $(BROWSER_TIME_LIMIT) $(PYTEST) tests/browser -q -rs -n $(BROWSER_WORKERS) \
+				&& exit 0; \
+			rc=$$?; \
+			if [ $$rc -eq 124 ]; then echo "browser tests FAILED: the pass took longer than" \
+				"its bound of $(BROWSER_TIME_LIMIT) s (make browser BROWSER_TIME_LIMIT=... to change it)"; exit $$rc; fi; \
+			[ $$attempt -eq 2 ] || echo "browser tests: a check failed; the pass runs once more" \
+				"(a known flake: a widget JupyterLab left off screen, docs/design.md)"; \
+		done; exit $$rc; \
 	fi
 
 # instructors: a notebook as slides with live widgets, e.g. `make lecture NB=04` (Voilà)
