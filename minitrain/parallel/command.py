@@ -11,8 +11,10 @@ Chapter 11, notebooks/11_putting_it_together.ipynb and the README's "Train at sc
 
 The same seed and model flags give the same loss curve on every layout (the global batch is
 fixed; ``minitrain.parallel.parallelize`` builds the layout from the chapters' techniques).
-Rank 0 shows a progress bar (tqdm) and writes JSON lines ``{"step", "loss", "tokens_per_s", "mfu", ...}`` to
-``--log-file``. ``--checkpoint-dir`` with ``--checkpoint-every K`` saves sharded, atomic
+Rank 0 shows a progress bar (tqdm) and writes JSON lines ``{"step", "loss", "lr", "tokens_per_s", "mfu", ...}`` to
+``--log-file`` (``"val_loss"`` every ``--eval-every`` steps). ``--lr-schedule cosine
+--warmup-steps N``: linear warm-up, then cosine decay (``minitrain.parallel.schedule``);
+``--data FILE`` trains on a text file's bytes (vocabulary 256, its last 10 % held out). ``--checkpoint-dir`` with ``--checkpoint-every K`` saves sharded, atomic
 checkpoints; ``--resume`` continues from the newest one exactly as if never stopped.
 """
 
@@ -26,9 +28,11 @@ import time
 
 import torch.distributed as dist
 
+from minitrain.data import TextData
 from minitrain.model import GPTConfig
 from minitrain.parallel.mesh import check_layout
 from minitrain.parallel.run_checkpoint import latest_checkpoint, load_run, save_run
+from minitrain.parallel.schedule import SCHEDULES, lr_at
 from minitrain.parallel.trainer import ParallelGPT
 from minitrain.runtime import LaunchError, run, running_under_torchrun
 from minitrain.step import flops_per_token, mfu
@@ -57,11 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--n-layer", type=int, default=2)
     train.add_argument("--n-head", type=int, default=4)
     train.add_argument("--d-model", type=int, default=64)
-    train.add_argument("--vocab-size", type=int, default=64)
+    train.add_argument("--vocab-size", type=int, default=None,
+                       help="default 64; with --data 256 (bytes), and nothing else is accepted")
     train.add_argument("--lr", type=float, default=1e-3)
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--peak-flops", type=float, default=CPU_PEAK_FLOPS,
                        help="peak FLOP/s of one device, for the MFU estimate")
+    add_schedule_and_data_flags(p)
     out = p.add_argument_group("logging and checkpoints")
     out.add_argument("--log-file", default=None, help="JSON lines, one per step (rank 0)")
     out.add_argument("--checkpoint-dir", default=None)
@@ -72,9 +78,81 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_schedule_and_data_flags(p: argparse.ArgumentParser) -> None:
+    """Issue 28: the learning-rate schedule, dropout, a text file and the held-out loss."""
+    sched = p.add_argument_group("learning rate and regularisation")
+    sched.add_argument("--lr-schedule", choices=SCHEDULES, default="constant",
+                       help="after the warm-up: constant --lr, or cosine decay to --min-lr at "
+                            "--steps (Loshchilov & Hutter 2017)")
+    sched.add_argument("--warmup-steps", type=int, default=0,
+                       help="linear warm-up: step s < N uses lr·(s+1)/N")
+    sched.add_argument("--min-lr", type=float, default=None,
+                       help="where cosine ends (default: 0.1 × --lr)")
+    sched.add_argument("--dropout", type=float, default=0.0, help="dropout probability, [0, 1)")
+    data = p.add_argument_group("data and evaluation")
+    data.add_argument("--data", default=None, metavar="FILE",
+                      help="train on this text file's bytes (byte-level tokens, vocabulary 256), "
+                           "its last 10 %% held out for --eval-every (default: the synthetic "
+                           "Markov-chain data of minitrain.data)")
+    data.add_argument("--eval-every", type=int, default=0, metavar="K",
+                      help="every K steps and at the last, log val_loss: the mean loss over a "
+                           "fixed held-out set (--data's last 10 %%, or without --data synthetic "
+                           "batches from a separate random stream), no dropout, no step "
+                           "(0: never)")
+    data.add_argument("--eval-batches", type=int, default=4,
+                      help="global batches in the held-out set")
+
+
+def check_schedule_and_data(parser: argparse.ArgumentParser, args: dict) -> None:
+    """One clear error per bad value, naming the flag; fills in the defaults that depend on
+    other flags (--min-lr from --lr, --vocab-size from --data)."""
+    for flag in ("warmup_steps", "eval_every"):
+        if args[flag] < 0:
+            parser.error(f"argument --{flag.replace('_', '-')}: must be >= 0, got {args[flag]}")
+    if args["eval_batches"] < 1:
+        parser.error(f"argument --eval-batches: must be >= 1, got {args['eval_batches']}")
+    if not 0.0 <= args["dropout"] < 1.0:
+        parser.error(f"argument --dropout: must be in [0, 1), got {args['dropout']}")
+    if args["min_lr"] is None:
+        args["min_lr"] = 0.1 * args["lr"]
+    elif args["min_lr"] < 0:
+        parser.error(f"argument --min-lr: must be >= 0, got {args['min_lr']}")
+    if args["data"] is None:
+        args["vocab_size"] = 64 if args["vocab_size"] is None else args["vocab_size"]
+        return
+    if args["vocab_size"] not in (None, 256):
+        parser.error(f"argument --vocab-size: --data trains on bytes, a vocabulary of 256; "
+                     f"--vocab-size {args['vocab_size']} conflicts with it")
+    args["vocab_size"] = 256
+    try:
+        TextData.from_file(args["data"], args["seq_len"], args["seed"])
+    except ValueError as exc:
+        parser.error(f"argument --data: {exc}")
+
+
 def config_of(args: dict) -> GPTConfig:
-    return GPTConfig(vocab_size=args["vocab_size"], seq_len=args["seq_len"],
-                     n_layer=args["n_layer"], n_head=args["n_head"], d_model=args["d_model"])
+    vocab = args["vocab_size"] or (256 if args.get("data") else 64)
+    return GPTConfig(vocab_size=vocab, seq_len=args["seq_len"], n_layer=args["n_layer"],
+                     n_head=args["n_head"], d_model=args["d_model"],
+                     dropout=args.get("dropout", 0.0))
+
+
+def schedule_of(args: dict) -> dict:
+    """``lr_at``'s keyword arguments from the flags. The checkpoint's identity holds them
+    under the flags' names, so a resume with another --lr is an error naming both values;
+    --steps is the cosine's length, so it counts only for the cosine."""
+    min_lr = args.get("min_lr")
+    return {"lr": args["lr"], "schedule": args.get("lr_schedule", "constant"),
+            "warmup_steps": args.get("warmup_steps", 0),
+            "min_lr": 0.1 * args["lr"] if min_lr is None else min_lr,
+            "total_steps": args["steps"]}
+
+
+def schedule_identity(s: dict) -> dict:
+    cosine = s["schedule"] == "cosine"
+    return {"--lr": s["lr"], "--lr-schedule": s["schedule"], "--warmup-steps": s["warmup_steps"],
+            "--min-lr": s["min_lr"] if cosine else None,
+            "--steps (the cosine's length)": s["total_steps"] if cosine else None}
 
 
 def layout_of(args: dict) -> dict:
@@ -86,9 +164,13 @@ def train_rank(args: dict) -> dict:
     """Run on every rank: build the layout, resume, train, checkpoint. Returns rank 0's log
     (the losses) and this rank's coordinates."""
     config, layout = config_of(args), layout_of(args)
-    job = ParallelGPT(config, layout, args["batch_size"], args["lr"], args["seed"])
+    data = TextData.from_file(args["data"], config.seq_len, args["seed"]) \
+        if args.get("data") else None
+    job = ParallelGPT(config, layout, args["batch_size"], args["lr"], args["seed"], data=data,
+                      eval_batches=args.get("eval_batches", 4))
+    schedule = schedule_of(args)
     identity = {"config": vars(config), "layout": job.layout, "seed": args["seed"],
-                "batch_size": args["batch_size"]}
+                "batch_size": args["batch_size"], **schedule_identity(schedule)}
     rank, first = dist.get_rank(), 0
     ckpt = args["checkpoint_dir"]
     if args["resume"]:
@@ -110,13 +192,18 @@ def train_rank(args: dict) -> dict:
     records = []
     try:
         for step in range(first, args["steps"]):
+            lr = lr_at(step, **schedule)  # a function of the step: a resume continues it
+            job.set_lr(lr)
             start = time.perf_counter()
             loss = job.step(step)
             seconds = time.perf_counter() - start
             rate = tokens / seconds
-            rec = {"step": step, "loss": loss, "tokens_per_s": round(rate, 1),
+            rec = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": round(rate, 1),
                    "seconds": round(seconds, 5),
                    "mfu": mfu(rate, fpt, args["peak_flops"] * world)}
+            eval_every = args.get("eval_every", 0)
+            if eval_every and ((step + 1) % eval_every == 0 or step + 1 == args["steps"]):
+                rec["val_loss"] = job.evaluate()  # after this step's update, not timed
             records.append(rec)
             if log:
                 log.write(json.dumps(rec) + "\n")
@@ -156,6 +243,7 @@ def main(argv=None) -> int:
             parser.error(f"impossible layout: {layout} ranks, but torchrun started {have}")
     elif args["nproc"] is not None and args["nproc"] != world:
         parser.error(f"impossible layout: {layout} ranks, but --nproc is {args['nproc']}")
+    check_schedule_and_data(parser, args)
     try:
         check_layout(config_of(args), args["dp"], args["tp"], args["pp"], args["cp"],
                      args["seq_len"], args["batch_size"], args["microbatches"])

@@ -12,7 +12,8 @@ are reused):
 - everything goes into ``step_N.partial/``, each file written to a temporary name, flushed
   and renamed; once every rank has written, rank 0 renames the directory to ``step_N/``.
   A crash or Ctrl-C at any moment leaves the previous ``step_M/`` whole;
-- loading checks the metadata (same model, same layout) and each rank's file (readable, same
+- loading checks the metadata (same model, same layout, the same learning-rate flags: the
+  caller's identity keys named after flags, "--lr", are reported as flags) and each rank's file (readable, same
   id), and every rank agrees on the verdict before anything changes: a corrupt file or a
   checkpoint of another layout is a ``CheckpointError`` naming it, on every rank, no hang.
 
@@ -80,9 +81,13 @@ def load_run(path: str, identity: dict) -> tuple[int, dict]:
             meta = json.load(fh)
         for key, value in identity.items():
             if meta.get(key) != value:
+                # a flag (identity keys named "--lr", …): resuming with the checkpoint's value
+                # continues the run; another value would change it silently
+                fix = f"resume with {key.split()[0]} {meta.get(key)}" if key.startswith("--") \
+                    else "use the same layout"
                 raise CheckpointError(
                     f"checkpoint {path} was written with {key} = {meta.get(key)}, but this run "
-                    f"has {key} = {value} (start a new --checkpoint-dir, or use the same layout)")
+                    f"has {key} = {value} (start a new --checkpoint-dir, or {fix})")
         if meta.get("world_size") != world:
             raise CheckpointError(f"checkpoint {path} has {meta.get('world_size')} ranks, "
                                   f"this run {world}")

@@ -5,7 +5,8 @@ Chapter 11, notebooks/11_putting_it_together.ipynb; ``python -m minitrain.train`
 ``ParallelGPT`` does what a training loop does with it: the batching (this data-parallel rank's
 rows, this context-parallel rank's tokens and their positions), micro-batches and gradient
 accumulation, the pipeline's step, the loss averaged over the replicas, and the state a
-checkpoint needs to continue bit-exactly.
+checkpoint needs to continue bit-exactly; ``set_lr`` (the schedule's rate) and ``evaluate``
+(the held-out loss, ``evaluation.py``).
 
 Every rank starts from the same dense model (same seed), so each rank's shards are slices of
 the single-process model: the loss curve is the single process's, within float rounding.
@@ -20,9 +21,10 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from minitrain.data import get_batch
+from minitrain.data import MarkovChainData, get_batch
 from minitrain.ddp import DataParallel
 from minitrain.model import GPT, GPTConfig
+from minitrain.parallel.evaluation import held_out_loss, set_optimizer_lr
 from minitrain.parallel.mesh import DeviceMesh, check_layout
 from minitrain.parallel.parallelize import (
     OPTIMIZERS,
@@ -42,11 +44,24 @@ class ParallelGPT:
     the global mean loss of that step (the same number on every rank), exactly what one
     process computes on the whole batch. ``state()`` / ``load_state()`` (or ``state_dict()`` /
     ``load_state_dict()``) save and restore everything a bit-exact continuation needs.
+    ``data``: what ``get_batch(step, batch_size, rank, world_size, device=, held_out=)``
+    is called on (``minitrain.data.TextData``, or by default the synthetic
+    ``MarkovChainData`` of the config and seed); ``eval_batches``: held-out batches
+    ``evaluate`` averages.
     """
 
     def __init__(self, config: GPTConfig, layout: dict, batch_size: int, lr: float, seed: int,
-                 mesh: DeviceMesh | None = None):
+                 mesh: DeviceMesh | None = None, *, data=None, eval_batches: int = 4):
         self.config, self.batch_size, self.seed = config, batch_size, seed
+        self.data = data if data is not None else MarkovChainData(config.vocab_size,
+                                                                  config.seq_len, seed)
+        if self.data.vocab_size != config.vocab_size or self.data.seq_len != config.seq_len:
+            raise ValueError(f"the data has vocab_size {self.data.vocab_size} and seq_len "
+                             f"{self.data.seq_len}, the model {config.vocab_size} and "
+                             f"{config.seq_len}")
+        if eval_batches < 1:
+            raise ValueError(f"eval_batches must be positive, got {eval_batches}")
+        self.eval_batches = eval_batches
         self.layout = lo = full_layout(layout)
         check_layout(config, lo["dp"], lo["tp"], lo["pp"], lo["cp"], config.seq_len,
                      batch_size, lo["microbatches"])
@@ -57,12 +72,14 @@ class ParallelGPT:
         self.model, self.wrapped, self.optimizer = parts.model, parts.wrapped, parts.optimizer
         self.stage, self.context, self.loss_fn = parts.stage, parts.context, parts.loss_fn
         self.dp_group, self.replicas = parts.dp_group, parts.replicas
+        # where batches go: made on the CPU (the same on every device), used on the model's
+        self.device = next(self.model.parameters()).device
 
-    def local_batch(self, step: int):
-        """This data-parallel rank's rows of the global batch of ``step``."""
-        c = self.config
-        x, y = get_batch(step, self.batch_size, self.mesh.coords().dp, self.layout["dp"],
-                         vocab_size=c.vocab_size, seq_len=c.seq_len, seed=self.seed)
+    def local_batch(self, step: int, held_out: bool = False):
+        """This data-parallel rank's rows of the global batch of ``step`` (of the held-out
+        set's batch ``step`` with ``held_out``), on the model's device."""
+        x, y = self.data.get_batch(step, self.batch_size, self.mesh.coords().dp,
+                                   self.layout["dp"], device=self.device, held_out=held_out)
         if self.context is not None:  # and this context-parallel rank's tokens of it
             x, y = self.context.shard(x), self.context.shard(y)
         return x, y
@@ -93,6 +110,16 @@ class ParallelGPT:
             total += loss.detach()
         self.optimizer.step()
         return self.reduce_loss(total)
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next ``step``, on whatever optimizer this layout uses
+        (``evaluation.set_optimizer_lr``)."""
+        set_optimizer_lr(self.optimizer, lr)
+
+    def evaluate(self) -> float:
+        """The mean loss over the fixed held-out set (``eval_batches`` global batches): no
+        dropout, no gradient, no step, the RNG untouched; the same on every layout."""
+        return held_out_loss(self, self.eval_batches)
 
     def reduce_loss(self, local: torch.Tensor) -> float:
         """The mean over data- and context-parallel ranks (TP ranks already agree): one fp32
@@ -147,16 +174,20 @@ class ParallelGPT:
 
 
 def single_process_losses(config: GPTConfig, steps: int, batch_size: int, lr: float,
-                          seed: int, first_step: int = 0, optimizer: str = "adamw") -> list[float]:
+                          seed: int, first_step: int = 0, optimizer: str = "adamw",
+                          data=None) -> list[float]:
     """The reference: the dense GPT, AdamW (or ``optimizer``), the whole global batch, one
-    process."""
+    process; ``data`` as ``ParallelGPT``'s (default: the synthetic chain)."""
     torch.manual_seed(seed)
     model = GPT(config)
     opt = OPTIMIZERS[optimizer](model.parameters(), lr=lr)
     losses = []
     for step in range(first_step, first_step + steps):
-        x, y = get_batch(step, batch_size, vocab_size=config.vocab_size, seq_len=config.seq_len,
-                         seed=seed)
+        if data is not None:
+            x, y = data.get_batch(step, batch_size)
+        else:
+            x, y = get_batch(step, batch_size, vocab_size=config.vocab_size,
+                             seq_len=config.seq_len, seed=seed)
         opt.zero_grad(set_to_none=True)
         loss = model.loss(x, y)
         loss.backward()

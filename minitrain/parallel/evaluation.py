@@ -1,0 +1,88 @@
+"""Held-out loss on any layout, and the learning rate of any layout's optimizer.
+
+Chapter 11, notebooks/11_putting_it_together.ipynb; ``ParallelGPT.evaluate`` and
+``ParallelGPT.set_lr`` (``trainer.py``) call these, ``python -m minitrain.train --eval-every``
+and ``--lr-schedule`` use them.
+
+Evaluation is a forward without a step: the model in eval mode (no dropout, Srivastava et
+al. 2014 scale at test time by not dropping), under ``torch.no_grad()`` (no graph, so ZeRO-3
+frees every unit after its forward and registers no backward hook), and the random state
+saved and restored around it, so training continues bit-exactly as if no evaluation had run.
+A pipeline has no forward-only schedule of its own: ``pipeline_forward_loss`` sends each
+activation on to the next stage (chapter 7's ``PipelineStage.send``/``recv``) and the last
+stage's loss is broadcast back, as ``train_step`` does for the training loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from minitrain.pipeline import PipelineStage, StepState
+from minitrain.tensor_parallel.random import load_rng_state_dict, rng_state_dict
+
+
+def set_optimizer_lr(optimizer, lr: float) -> None:
+    """Set ``lr`` in every parameter group of ``optimizer`` and of the optimizer it wraps:
+    a torch optimizer; chapter 5's ``ShardedOptimizer`` (which copies its groups' rates into
+    its local optimizer at each step); ``ZeroDataParallel`` (its ``.optimizer`` over the fp32
+    shards); a master-weight optimizer (its ``.optimizer`` over the fp32 masters)."""
+    seen = set()
+    while optimizer is not None and id(optimizer) not in seen:
+        seen.add(id(optimizer))
+        for group in getattr(optimizer, "param_groups", ()):
+            group["lr"] = lr
+        optimizer = getattr(optimizer, "optimizer", None)
+
+
+def pipeline_forward_loss(stage: PipelineStage, x: torch.Tensor, y: torch.Tensor,
+                          positions=None) -> torch.Tensor:
+    """The mean loss of (x, y) through every stage, forward only, as one micro-batch; a float64
+    0-dim tensor on every stage. Virtual stages in order: each rank runs its chunks when their
+    input arrives (blocking receive), sends are asynchronous — the forward half of GPipe."""
+    state = StepState([x], [y], 1, split_backward=False, positions=positions)
+    state.key = ("eval", tuple(x.shape[1:]), x.shape[0])  # its own shape headers
+    for c in range(stage.num_chunks):
+        v = stage.virtual_stage(c)
+        h = x if stage.is_first(c) else stage.recv("F", 0, v - 1, state)
+        _, out = stage.forward(c, 0, h, state)
+        if not stage.is_last(c):
+            stage.send("F", 0, out, v + 1, state)
+    for work, _ in state.sends:
+        work.wait()
+    ref = next(stage.parameters())
+    loss = torch.zeros((), dtype=torch.float64, device=ref.device)
+    last = stage.num_stages - 1
+    if stage.stage == last:
+        loss = state.losses[0].double()
+    if stage.num_stages > 1:
+        src = last if stage.group is None else dist.get_global_rank(stage.group, last)
+        dist.broadcast(loss, src, stage.group)
+    return loss
+
+
+def held_out_loss(job, batches: int) -> float:
+    """The mean loss of ``job`` (a ``ParallelGPT``) over held-out batches 0 … batches − 1 of
+    its data, each the global batch averaged over DP × CP: the same number on every layout."""
+    modules = [m for m in (job.model, job.wrapped, job.stage) if m is not None]
+    modes = [m.training for m in modules]
+    cpu_rng, streams = torch.get_rng_state(), rng_state_dict(job.model)
+    for m in modules:
+        m.eval()  # dropout off: the held-out loss is the model's, not a noisy sample of it
+    try:
+        total = 0.0
+        with torch.no_grad():
+            for i in range(batches):
+                x, y = job.local_batch(i, held_out=True)
+                pos = None if job.context is None else job.context.positions(x)
+                if job.stage is not None:
+                    loss = pipeline_forward_loss(job.stage, x, y, pos)
+                else:
+                    loss = job.loss_fn(job.wrapped(x, positions=pos), y)
+                total += job.reduce_loss(loss.double())
+        return total / batches
+    finally:
+        for m, mode in zip(modules, modes):
+            m.train(mode)
+        torch.set_rng_state(cpu_rng)  # nothing should have drawn; if anything did, undone
+        load_rng_state_dict(job.model, streams)
