@@ -31,7 +31,12 @@ import torch.distributed as dist
 from minitrain.data import TextData
 from minitrain.model import GPTConfig
 from minitrain.parallel.mesh import check_layout
-from minitrain.parallel.run_checkpoint import latest_checkpoint, load_run, save_run
+from minitrain.parallel.run_checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_run,
+    save_run,
+)
 from minitrain.parallel.schedule import SCHEDULES, lr_at
 from minitrain.parallel.trainer import ParallelGPT
 from minitrain.runtime import LaunchError, run, running_under_torchrun
@@ -254,7 +259,7 @@ def main(argv=None) -> int:
             results = [_in_this_process(args)]  # no worker: the progress bar is live
         else:  # --nproc ranks print through the launcher, after they finish
             results = run(train_rank, world, args, timeout=args["timeout"])
-    except LaunchError as exc:
+    except (LaunchError, CheckpointError) as exc:  # in this process: a CheckpointError itself
         print(f"minitrain.train: {exc}", file=sys.stderr)
         return 1
     mine = [results] if running_under_torchrun() else results
