@@ -811,6 +811,76 @@ MUTATIONS = [
         "class ZeroDataParallel(OrderedGathers.__base__):",
         ["tests/test_sharded_units.py::test_container_models_match_one_process[3]"],
     ),
+    # issue 28: learning-rate schedule, resume, dropout, text data, evaluation
+    Mutation(
+        "issue 28: the schedule is off by one step (step s uses the rate of s + 1)",
+        "minitrain/parallel/command.py",
+        "            lr = lr_at(step, **schedule)",
+        "            lr = lr_at(step + 1, **schedule)",
+        ["tests/test_train_schedule.py::test_schedule_one_process_equals_the_formula_and_the_reference"],
+    ),
+    Mutation(
+        "issue 28: warm-up starts at 0 (step 0 wasted)",
+        "minitrain/parallel/schedule.py",
+        "        return lr * (step + 1) / warmup_steps",
+        "        return lr * step / warmup_steps",
+        ["tests/test_train_schedule.py::test_lr_at_equals_the_closed_form_at_every_step"],
+    ),
+    Mutation(
+        "issue 28: a resumed run restarts the schedule",
+        "minitrain/parallel/command.py",
+        "            lr = lr_at(step, **schedule)",
+        "            lr = lr_at(step - first, **schedule)",
+        ["tests/test_train_schedule.py::test_schedule_reaches_every_optimizer_and_resumes_exactly[dp2-zero1]"],
+    ),
+    Mutation(
+        "issue 28: another --lr on resume is silently ignored (not in the checkpoint's identity)",
+        "minitrain/parallel/command.py",
+        '"batch_size": args["batch_size"], **schedule_identity(schedule)}',
+        '"batch_size": args["batch_size"]}',
+        ["tests/test_train_schedule.py::test_resume_with_other_schedule_flags_names_both_values"],
+    ),
+    Mutation(
+        "issue 28: set_lr misses the optimizer a wrapper holds (ZeRO-3's inner optimizer)",
+        "minitrain/parallel/evaluation.py",
+        '        optimizer = getattr(optimizer, "optimizer", None)',
+        "        optimizer = None",
+        ["tests/test_train_schedule.py::test_schedule_reaches_every_optimizer_and_resumes_exactly[dp2-zero3]"],
+    ),
+    Mutation(
+        "issue 28: evaluation with dropout on",
+        "minitrain/parallel/evaluation.py",
+        "    for m in modules:\n        m.eval()\n",
+        "    for m in modules:\n        m.train()\n",
+        ["tests/test_train_data.py::test_evaluate_is_the_eval_mode_loss_and_keeps_the_rng"],
+    ),
+    Mutation(
+        "issue 28: evaluation consumes the training RNG (run as in training, states not restored)",
+        "minitrain/parallel/evaluation.py",
+        "    for m in modules:\n        m.eval()\n    try:\n        yield\n    finally:\n"
+        "        for m, mode in zip(modules, modes):\n            m.train(mode)\n"
+        "        torch.set_rng_state(cpu_rng)\n        load_rng_state_dict(model, streams)\n",
+        "    yield\n",
+        ["tests/test_train_data.py::test_evaluate_is_the_eval_mode_loss_and_keeps_the_rng",
+         "tests/test_train_data.py::test_evaluation_leaves_training_unchanged_with_dropout"],
+    ),
+    Mutation(
+        "issue 28: the pipeline's held-out loss is broadcast from the first stage (it holds none)",
+        "minitrain/parallel/evaluation.py",
+        "    if stage.stage == last:\n        loss = state.losses[0].double()",
+        "    if state.losses:\n        loss = state.losses[0].double()\n    last = 0",
+        ["tests/test_train_data.py::test_val_loss_equals_one_process_on_every_layout"],
+    ),
+    Mutation(
+        "issue 28: each data-parallel rank draws its own --data batch, not its rows of the global one",
+        "minitrain/data.py",
+        "            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)\n"
+        "            starts = torch.randint(",
+        "            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step + rank)\n"
+        "            starts = torch.randint(",
+        ["tests/test_train_data.py::test_text_batches_are_the_files_bytes",
+         "tests/test_train_data.py::test_data_losses_and_val_loss_on_dp2_tp2_equal_one_process"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

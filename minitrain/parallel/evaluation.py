@@ -15,6 +15,8 @@ stage's loss is broadcast back, as ``train_step`` does for the training loss.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 
@@ -61,28 +63,37 @@ def pipeline_forward_loss(stage: PipelineStage, x: torch.Tensor, y: torch.Tensor
     return loss
 
 
+@contextmanager
+def evaluation_mode(modules: list, model):
+    """Inside: every module in eval mode (dropout off: the held-out loss is the model's, not a
+    noisy sample of it). On leaving: the modes as they were, and the global and per-rank
+    (``model``'s TP dropout streams) random states as they were — nothing should have drawn
+    from them; if anything did, it is undone, and training continues bit-exactly."""
+    modes = [m.training for m in modules]
+    cpu_rng, streams = torch.get_rng_state(), rng_state_dict(model)
+    for m in modules:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, mode in zip(modules, modes):
+            m.train(mode)
+        torch.set_rng_state(cpu_rng)
+        load_rng_state_dict(model, streams)
+
+
 def held_out_loss(job, batches: int) -> float:
     """The mean loss of ``job`` (a ``ParallelGPT``) over held-out batches 0 … batches − 1 of
     its data, each the global batch averaged over DP × CP: the same number on every layout."""
     modules = [m for m in (job.model, job.wrapped, job.stage) if m is not None]
-    modes = [m.training for m in modules]
-    cpu_rng, streams = torch.get_rng_state(), rng_state_dict(job.model)
-    for m in modules:
-        m.eval()  # dropout off: the held-out loss is the model's, not a noisy sample of it
-    try:
-        total = 0.0
-        with torch.no_grad():
-            for i in range(batches):
-                x, y = job.local_batch(i, held_out=True)
-                pos = None if job.context is None else job.context.positions(x)
-                if job.stage is not None:
-                    loss = pipeline_forward_loss(job.stage, x, y, pos)
-                else:
-                    loss = job.loss_fn(job.wrapped(x, positions=pos), y)
-                total += job.reduce_loss(loss.double())
-        return total / batches
-    finally:
-        for m, mode in zip(modules, modes):
-            m.train(mode)
-        torch.set_rng_state(cpu_rng)  # nothing should have drawn; if anything did, undone
-        load_rng_state_dict(job.model, streams)
+    total = 0.0
+    with evaluation_mode(modules, job.model), torch.no_grad():
+        for i in range(batches):
+            x, y = job.local_batch(i, held_out=True)
+            pos = None if job.context is None else job.context.positions(x)
+            if job.stage is not None:
+                loss = pipeline_forward_loss(job.stage, x, y, pos)
+            else:
+                loss = job.loss_fn(job.wrapped(x, positions=pos), y)
+            total += job.reduce_loss(loss.double())
+    return total / batches
