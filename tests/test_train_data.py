@@ -131,21 +131,26 @@ def test_data_losses_and_val_loss_on_dp2_tp2_equal_one_process(text_file, tmp_pa
 
 
 # --------------------------------------------------------------------------- every layout
-LAYOUTS = [dict(dp=2), dict(tp=2), dict(tp=2, sequence_parallel=True),
-           dict(pp=2, microbatches=2), dict(cp=2), dict(dp=2, zero=3)]
+LAYOUTS = {2: [dict(dp=2), dict(tp=2), dict(tp=2, sequence_parallel=True),
+               dict(pp=2, microbatches=2), dict(cp=2), dict(dp=2, zero=3)],
+           4: [dict(tp=2, pp=2, sequence_parallel=True, microbatches=2),
+               dict(dp=2, cp=2, zero=3)]}
+DROPOUT = {2: [dict(dp=2), dict(tp=2)], 4: [dict(tp=2, pp=2, microbatches=2)]}
+CASES = [(w, i) for w in LAYOUTS for i in range(len(LAYOUTS[w]))]
+DROP_CASES = [(w, j) for w in DROPOUT for j in range(len(DROPOUT[w]))]
 
 
-def _val_losses(raw: bytes, steps: int):
+def _val_losses(raw: bytes, steps: int, layouts: list, dropout_layouts: list):
     """On every rank: each layout trained ``steps`` steps, its val_loss; and, with dropout
-    0.2 on dp2 and tp2, the training losses with an evaluation after every step and without."""
+    0.2, the training losses with an evaluation after every step and without."""
     data = TextData.from_bytes(raw, SEQ, SEED)
     out = []
-    for layout in LAYOUTS:
+    for layout in layouts:
         job = ParallelGPT(CFG, layout, BATCH, LR, SEED, data=data)
         losses = [job.step(s) for s in range(steps)]
         out.append((losses, job.evaluate()))
     drop = GPTConfig(**{**vars(CFG), "dropout": 0.2})
-    for layout in (dict(dp=2), dict(tp=2)):
+    for layout in dropout_layouts:
         runs = []
         for evaluate in (True, False):
             job = ParallelGPT(drop, layout, BATCH, LR, SEED, data=data)
@@ -162,24 +167,25 @@ def _val_losses(raw: bytes, steps: int):
 @pytest.fixture(scope="module")
 def layout_runs(text_file):
     raw = text_file.read_bytes()
-    return raw, launch(_val_losses, 2, raw, 2, timeout=400)
+    return raw, {w: launch(_val_losses, w, raw, 2, LAYOUTS[w], DROPOUT[w], timeout=400)
+                 for w in LAYOUTS}
 
 
-@pytest.mark.parametrize("i", range(len(LAYOUTS)), ids=[str(lo) for lo in LAYOUTS])
-def test_val_loss_equals_one_process_on_every_layout(layout_runs, i):
+@pytest.mark.parametrize("world, i", CASES, ids=[str(LAYOUTS[w][i]) for w, i in CASES])
+def test_val_loss_equals_one_process_on_every_layout(layout_runs, world, i):
     raw, results = layout_runs
     losses, val = ref_run(raw, 2)
-    for rank_result in results:  # every rank reports the same numbers
+    for rank_result in results[world]:  # every rank reports the same numbers
         got_losses, got_val = rank_result[i]
         assert max(abs(a - b) for a, b in zip(got_losses, losses)) <= 1e-5
         assert abs(got_val - val) <= 1e-5, (got_val, val)
 
 
-@pytest.mark.parametrize("j", [0, 1], ids=["dp2", "tp2"])
-def test_evaluation_leaves_training_unchanged_with_dropout(layout_runs, j):
+@pytest.mark.parametrize("world, j", DROP_CASES, ids=[str(DROPOUT[w][j]) for w, j in DROP_CASES])
+def test_evaluation_leaves_training_unchanged_with_dropout(layout_runs, world, j):
     _, results = layout_runs
-    for rank_result in results:
-        with_eval, without = rank_result[len(LAYOUTS) + j]
+    for rank_result in results[world]:
+        with_eval, without = rank_result[len(LAYOUTS[world]) + j]
         assert with_eval == without  # bit for bit: evaluation drew nothing from the RNG
 
 
