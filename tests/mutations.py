@@ -811,6 +811,14 @@ MUTATIONS = [
         "class ZeroDataParallel(OrderedGathers.__base__):",
         ["tests/test_sharded_units.py::test_container_models_match_one_process[3]"],
     ),
+    # issue 31: notebooks as a learner meets them
+    Mutation(
+        "issue 31: the MoE widget starts at top-1 while notebook 08 trains top-2",
+        "minitrain/widgets/ch08_moe.py",
+        "def build_moe_widget(world: int = 2, steps: int = 40, top_k: int = 2):",
+        "def build_moe_widget(world: int = 2, steps: int = 40, top_k: int = 1):",
+        ["tests/test_notebook_structure.py::test_moe_widget_starts_where_notebook_08_trains"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

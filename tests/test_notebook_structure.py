@@ -138,3 +138,18 @@ def test_the_checks_can_fail(tmp_path):
     assert folded_answers(path) == 1
     assert not names_next(path)  # names a chapter, not the notebook 02_...
     assert compared_share(path) == 0.5
+
+
+def test_moe_widget_starts_where_notebook_08_trains():
+    """Issue 31: the widget defaulted to top-1 while the balancing runs above it train top-2."""
+    import inspect
+
+    from minitrain.widgets.ch08_moe import build_moe_widget
+
+    default = inspect.signature(build_moe_widget).parameters["top_k"].default
+    assert default == 2, f"build_moe_widget starts at top-{default}; notebook 08's balancing runs use top-2"
+    moe = [p for p in NOTEBOOKS if p.name.startswith("08_")]
+    if moe:  # (tests/mutations.py copies no notebooks: there the default alone is checked)
+        text = "\n".join(_source(c) for c in _cells(moe[0]))
+        ks = set(re.findall(r"train_load_history\([^)]*top_k=(\d+)", text))
+        assert ks == {str(default)}, f"notebook 08 trains with top_k {ks}, the widget starts at {default}"
