@@ -881,6 +881,14 @@ MUTATIONS = [
         ["tests/test_train_data.py::test_text_batches_are_the_files_bytes",
          "tests/test_train_data.py::test_data_losses_and_val_loss_on_dp2_tp2_equal_one_process"],
     ),
+    # issue 31: notebooks as a learner meets them
+    Mutation(
+        "issue 31: the MoE widget starts at top-1 while notebook 08 trains top-2",
+        "minitrain/widgets/ch08_moe.py",
+        "def build_moe_widget(world: int = 2, steps: int = 40, top_k: int = 2):",
+        "def build_moe_widget(world: int = 2, steps: int = 40, top_k: int = 1):",
+        ["tests/test_notebook_structure.py::test_moe_widget_starts_where_notebook_08_trains"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

@@ -78,15 +78,16 @@ def plot_view(view: dict, axes) -> None:
     ax2.set_title("imbalance during the training run", fontsize="small")
 
 
-def build_moe_widget(world: int = 2, steps: int = 40):
+def build_moe_widget(world: int = 2, steps: int = 40, top_k: int = 2):
     """Controls (balancing method, aux-loss weight, top-k, capacity factor) → status line
-    and heat-map. Each new (method, weight, top-k) trains once (a few seconds), then cached."""
+    and heat-map. Each new (method, weight, top-k) trains once (a few seconds), then cached.
+    ``top_k`` starts at 2, the k of notebook 08's balancing runs above the widget."""
     import ipywidgets as w
 
     method = w.ToggleButtons(options=list(METHODS), value="aux_loss", description="balancing")
     weight = w.SelectionSlider(options=[0.001, 0.01, 0.1], value=0.01,
                                description="aux weight")
-    top_k = w.ToggleButtons(options=[1, 2], value=1, description="top-k")
+    choice = w.ToggleButtons(options=[1, 2], value=top_k, description="top-k")
     # 0.0 stands for "no limit" (a SelectionSlider cannot hold None)
     capacity = w.SelectionSlider(options=[("none", 0.0), ("0.5", 0.5), ("1.0", 1.0),
                                           ("1.25", 1.25), ("2.0", 2.0)], value=0.0,
@@ -94,10 +95,10 @@ def build_moe_widget(world: int = 2, steps: int = 40):
     status, image = w.HTML(), w.Image(format="png")
 
     def update():
-        view = compute_routing_view(method.value, weight.value, top_k.value,
+        view = compute_routing_view(method.value, weight.value, choice.value,
                                     capacity.value or None, world, steps)
         status.value = describe(view)
         image.value = plot_png(lambda axes: plot_view(view, axes), (9, 3.0), ncols=2)
 
-    live([method, weight, top_k, capacity], update)
-    return w.VBox([method, w.HBox([weight, capacity]), top_k, status, image])
+    live([method, weight, choice, capacity], update)
+    return w.VBox([method, w.HBox([weight, capacity]), choice, status, image])
