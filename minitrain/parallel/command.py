@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from minitrain.model import GPTConfig
 from minitrain.parallel.mesh import check_layout
+from minitrain.parallel.parallelize import PRECISIONS
 from minitrain.parallel.run_checkpoint import latest_checkpoint, load_run, save_run
 from minitrain.parallel.trainer import ParallelGPT
 from minitrain.runtime import LaunchError, run, running_under_torchrun
@@ -62,6 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--peak-flops", type=float, default=CPU_PEAK_FLOPS,
                        help="peak FLOP/s of one device, for the MFU estimate")
+    prec = p.add_argument_group("precision and clipping")
+    prec.add_argument("--precision", default="fp32", help="fp32, bf16 or fp16: the compute "
+                      "dtype (masters and optimizer state stay fp32; fp16: loss scaling)")
+    prec.add_argument("--clip-grad-norm", type=float, default=0.0,
+                      help="clip the global gradient norm to X (0: off); logs grad_norm")
     out = p.add_argument_group("logging and checkpoints")
     out.add_argument("--log-file", default=None, help="JSON lines, one per step (rank 0)")
     out.add_argument("--checkpoint-dir", default=None)
@@ -78,7 +84,8 @@ def config_of(args: dict) -> GPTConfig:
 
 
 def layout_of(args: dict) -> dict:
-    keys = ("dp", "tp", "pp", "cp", "zero", "microbatches", "schedule", "sequence_parallel")
+    keys = ("dp", "tp", "pp", "cp", "zero", "microbatches", "schedule", "sequence_parallel",
+            "precision")
     return {k: args[k] for k in keys}
 
 
@@ -86,7 +93,8 @@ def train_rank(args: dict) -> dict:
     """Run on every rank: build the layout, resume, train, checkpoint. Returns rank 0's log
     (the losses) and this rank's coordinates."""
     config, layout = config_of(args), layout_of(args)
-    job = ParallelGPT(config, layout, args["batch_size"], args["lr"], args["seed"])
+    job = ParallelGPT(config, layout, args["batch_size"], args["lr"], args["seed"],
+                      clip_grad_norm=args["clip_grad_norm"])
     identity = {"config": vars(config), "layout": job.layout, "seed": args["seed"],
                 "batch_size": args["batch_size"]}
     rank, first = dist.get_rank(), 0
@@ -117,6 +125,7 @@ def train_rank(args: dict) -> dict:
             rec = {"step": step, "loss": loss, "tokens_per_s": round(rate, 1),
                    "seconds": round(seconds, 5),
                    "mfu": mfu(rate, fpt, args["peak_flops"] * world)}
+            rec.update(job.last_metrics)  # grad_norm; loss_scale with fp16
             records.append(rec)
             if log:
                 log.write(json.dumps(rec) + "\n")
@@ -148,6 +157,10 @@ def _in_this_process(args: dict) -> dict:
 def main(argv=None) -> int:
     parser = build_parser()
     args = vars(parser.parse_args(argv))
+    if args["precision"] not in PRECISIONS:
+        parser.error(f"--precision {args['precision']}: expected one of fp32, bf16, fp16")
+    if not args["clip_grad_norm"] >= 0:
+        parser.error(f"--clip-grad-norm {args['clip_grad_norm']}: must be >= 0 (0: off)")
     world = args["dp"] * args["tp"] * args["pp"] * args["cp"]
     layout = f"dp={args['dp']} × tp={args['tp']} × pp={args['pp']} × cp={args['cp']} = {world}"
     if running_under_torchrun():

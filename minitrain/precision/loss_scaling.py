@@ -135,3 +135,16 @@ class DynamicLossScaler:
         ### END SOLUTION
         self._found_inf.clear()
         self._stepped.clear()
+
+    def state_dict(self) -> dict:
+        """The scale and the growth tracker, so a resumed run scales as the straight run
+        would (``torch.amp.GradScaler.state_dict`` holds the same)."""
+        return {"scale": float(self._scale), "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval,
+                "_growth_tracker": self._growth_tracker}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._scale = torch.tensor(state["scale"], dtype=torch.float32, device="cpu")
+        self.growth_factor, self.backoff_factor = state["growth_factor"], state["backoff_factor"]
+        self.growth_interval = state["growth_interval"]
+        self._growth_tracker = state["_growth_tracker"]
