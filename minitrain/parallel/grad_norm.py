@@ -119,7 +119,7 @@ class GradientStep:
         overflow = False
         if self.scaler is not None:
             self.metrics["loss_scale"] = self.scaler.get_scale()
-            self.scaler.unscale_(optimizer)
+            self.scaler.unscale_(optimizer)  # first: the norm is of the gradient ÷ S
             # the whole mesh (group=None): every rank skips, or none does
             overflow = self.scaler.all_reduce_found_inf(optimizer, None)
         total = global_grad_norm(self.grads)
