@@ -196,3 +196,25 @@ def test_unknown_precision_is_a_one_line_error(capsys):
     with pytest.raises(ValueError, match="precision"):
         full_layout({"precision": "fp8"})
     assert full_layout({})["precision"] == "fp32"
+
+
+def _on_meta_default(layouts):
+    """With torch's default device set to ``meta``, an allocation that does not name its
+    device lands there and fails (no data): the trainer builds and trains anyway."""
+    torch.set_default_device("meta")
+    out = []
+    for layout in layouts:
+        job = ParallelGPT(CFG, layout, BATCH, LR, SEED, clip_grad_norm=CLIP)
+        devices = {p.device for p in job.model.parameters()} | {job.device}
+        out.append(([job.step(i) for i in range(2)], devices))
+    return out
+
+
+def test_the_trainer_names_every_device():
+    layouts = [dict(dp=2, precision="bf16"), dict(dp=2, zero=3, precision="fp16"),
+               dict(dp=2, zero=1, optimizer="sgd")]
+    free = launch(_train, 2, [(lo, CLIP) for lo in layouts], timeout=300)[0]
+    meta = launch(_on_meta_default, 2, layouts, timeout=300)[0]
+    for (losses, devices), metrics in zip(meta, free):
+        assert devices == {torch.device("cpu")}  # get_device() here
+        assert losses == [m["loss"] for m in metrics[:2]]
