@@ -66,6 +66,8 @@ TP_APPLY, TP_LAYERS = "minitrain/tensor_parallel/apply.py", "minitrain/tensor_pa
 TP_TESTS = "tests/test_tensor_parallel.py"
 CP_TESTS = "tests/test_context_parallel.py"
 CP_GRADED = "tests/grading/test_ch10_context_parallel.py"
+GRAD_NORM, TRAINER = "minitrain/parallel/grad_norm.py", "minitrain/parallel/trainer.py"
+CLIPPING, PRECISION_TESTS = "tests/test_train_clipping.py", "tests/test_train_precision.py"
 MUTATIONS = [
     Mutation(
         "no_sync no-op",
@@ -888,6 +890,56 @@ MUTATIONS = [
         "def build_moe_widget(world: int = 2, steps: int = 40, top_k: int = 2):",
         "def build_moe_widget(world: int = 2, steps: int = 40, top_k: int = 1):",
         ["tests/test_notebook_structure.py::test_moe_widget_starts_where_notebook_08_trains"],
+    ),
+    Mutation(
+        "issue 28: a TP-replicated LayerNorm's gradient counted t times in the global norm",
+        GRAD_NORM,
+        "    tp_ok = local_numel < dense_numel or tp_rank == 0\n",
+        "    tp_ok = True\n",
+        [f"{CLIPPING}::test_layout_equals_one_process_clip_grad_norm[tp2-sp-sgd]"],
+    ),
+    Mutation(
+        "issue 28: DP replicas' identical gradients added to the global norm",
+        GRAD_NORM,
+        "    dp_ok = dp_sharded or dp_rank == 0\n",
+        "    dp_ok = True\n",
+        [f"{CLIPPING}::test_layout_equals_one_process_clip_grad_norm[dp2-sgd]"],
+    ),
+    Mutation(
+        "issue 28: ZeRO shards of the gradient not summed (counted on DP rank 0 only)",
+        GRAD_NORM,
+        "            if owns(numel, dense_numels[name], tp_rank, dp_rank, dp_sharded=True):",
+        "            if owns(numel, dense_numels[name], tp_rank, dp_rank, dp_sharded=False):",
+        [f"{CLIPPING}::test_layout_equals_one_process_clip_grad_norm[dp2-zero3-sgd]"],
+    ),
+    Mutation(
+        "issue 28: the norm (and the clip) of the scaled fp16 gradient, measured before ÷ S",
+        GRAD_NORM,
+        "            self.scaler.unscale_(optimizer)  # first: the norm is of the gradient ÷ S\n"
+        "            # the whole mesh (group=None): every rank skips, or none does\n"
+        "            overflow = self.scaler.all_reduce_found_inf(optimizer, None)\n"
+        "        total = global_grad_norm(self.grads)\n",
+        "            total = global_grad_norm(self.grads)\n"
+        "            self.scaler.unscale_(optimizer)\n"
+        "            overflow = self.scaler.all_reduce_found_inf(optimizer, None)\n"
+        "        else:\n"
+        "            total = global_grad_norm(self.grads)\n",
+        [f"{PRECISION_TESTS}::test_fp16_logs_the_scale_and_the_unscaled_norm[fp16-dp2xtp2-clip]"],
+    ),
+    Mutation(
+        "issue 28: fp16's skip decided by each rank alone (one pipeline stage steps, one skips)",
+        GRAD_NORM,
+        "            overflow = self.scaler.all_reduce_found_inf(optimizer, None)\n",
+        "            overflow = self.scaler._found_inf[id(optimizer)]\n",
+        [f"{PRECISION_TESTS}::test_fp16_skip_is_decided_by_every_rank"],
+    ),
+    Mutation(
+        "issue 28: the fp32 master weights not restored on resume (bf16 without ZeRO)",
+        TRAINER,
+        "                for master, saved in zip(self.optimizer.master_params, state[\"masters\"]):\n"
+        "                    master.copy_(saved)\n",
+        "                pass\n",
+        [f"{PRECISION_TESTS}::test_resume_is_bit_exact[dp2]"],
     ),
 ]
 

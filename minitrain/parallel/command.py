@@ -31,6 +31,7 @@ import torch.distributed as dist
 from minitrain.data import TextData
 from minitrain.model import GPTConfig
 from minitrain.parallel.mesh import check_layout
+from minitrain.parallel.parallelize import PRECISIONS
 from minitrain.parallel.run_checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -73,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--peak-flops", type=float, default=CPU_PEAK_FLOPS,
                        help="peak FLOP/s of one device, for the MFU estimate")
     add_schedule_and_data_flags(p)
+    prec = p.add_argument_group("precision and clipping")
+    prec.add_argument("--precision", default="fp32", help="fp32, bf16 or fp16: the compute "
+                      "dtype (masters and optimizer state stay fp32; fp16: loss scaling)")
+    prec.add_argument("--clip-grad-norm", type=float, default=0.0,
+                      help="clip the global gradient norm to X (0: off); logs grad_norm")
     out = p.add_argument_group("logging and checkpoints")
     out.add_argument("--log-file", default=None, help="JSON lines, one per step (rank 0)")
     out.add_argument("--checkpoint-dir", default=None)
@@ -161,7 +167,8 @@ def schedule_identity(s: dict) -> dict:
 
 
 def layout_of(args: dict) -> dict:
-    keys = ("dp", "tp", "pp", "cp", "zero", "microbatches", "schedule", "sequence_parallel")
+    keys = ("dp", "tp", "pp", "cp", "zero", "microbatches", "schedule", "sequence_parallel",
+            "precision")
     return {k: args[k] for k in keys}
 
 
@@ -172,7 +179,8 @@ def train_rank(args: dict) -> dict:
     data = TextData.from_file(args["data"], config.seq_len, args["seed"]) \
         if args.get("data") else None
     job = ParallelGPT(config, layout, args["batch_size"], args["lr"], args["seed"], data=data,
-                      eval_batches=args.get("eval_batches", 4))
+                      eval_batches=args.get("eval_batches", 4),
+                      clip_grad_norm=args["clip_grad_norm"])
     schedule = schedule_of(args)
     identity = {"config": vars(config), "layout": job.layout, "seed": args["seed"],
                 "batch_size": args["batch_size"], **schedule_identity(schedule)}
@@ -206,6 +214,7 @@ def train_rank(args: dict) -> dict:
             rec = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": round(rate, 1),
                    "seconds": round(seconds, 5),
                    "mfu": mfu(rate, fpt, args["peak_flops"] * world)}
+            rec.update(job.last_metrics)  # grad_norm; loss_scale with fp16
             eval_every = args.get("eval_every", 0)
             if eval_every and ((step + 1) % eval_every == 0 or step + 1 == args["steps"]):
                 rec["val_loss"] = job.evaluate()  # after this step's update, not timed
@@ -240,6 +249,10 @@ def _in_this_process(args: dict) -> dict:
 def main(argv=None) -> int:
     parser = build_parser()
     args = vars(parser.parse_args(argv))
+    if args["precision"] not in PRECISIONS:
+        parser.error(f"--precision {args['precision']}: expected one of fp32, bf16, fp16")
+    if not args["clip_grad_norm"] >= 0:
+        parser.error(f"--clip-grad-norm {args['clip_grad_norm']}: must be >= 0 (0: off)")
     world = args["dp"] * args["tp"] * args["pp"] * args["cp"]
     layout = f"dp={args['dp']} × tp={args['tp']} × pp={args['pp']} × cp={args['cp']} = {world}"
     if running_under_torchrun():

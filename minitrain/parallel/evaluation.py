@@ -96,4 +96,6 @@ def held_out_loss(job, batches: int) -> float:
             else:
                 loss = job.loss_fn(job.wrapped(x, positions=pos), y)
             total += job.reduce_loss(loss.double())
-    return total / batches
+    # fp16: the loss functions multiply by the loss scale S (a power of two: exact to undo)
+    scale = 1.0 if getattr(job, "scaler", None) is None else job.scaler.get_scale()
+    return total / batches / scale

@@ -14,7 +14,10 @@ method overwritten:
 3. ``apply_pipeline`` (chapter 7) keeps this ``pp`` coordinate's share of the blocks;
    full recomputation (chapter 3) is applied per stage chunk, or to the whole model;
 4. ``apply_data_parallel`` (chapters 4–5) averages gradients over ``mesh.group("dp_cp")``
-   (DDP) or shards optimizer state, gradients, parameters (ZeRO 1–3, Rajbhandari et al. 2020).
+   (DDP) or shards optimizer state, gradients, parameters (ZeRO 1–3, Rajbhandari et al. 2020);
+   with ``precision`` bf16/fp16 it computes in that dtype on fp32 masters (chapter 2's
+   ``MasterWeightOptimizer``, or chapter 5's ``ZeroDataParallel(compute_dtype=)``), and
+   ``apply_precision`` computes the loss in fp32 (fp16: times chapter 2's loss scale).
 
 Gradients of CP ranks are averaged with the DP ones, in one reduction over DP × CP: each CP
 rank's loss covers its tokens only (Megatron-LM folds CP into its data-parallel group the same way).
@@ -37,12 +40,15 @@ from minitrain.ddp import DataParallel
 from minitrain.model import GPT, lm_loss
 from minitrain.parallel.mesh import DeviceMesh
 from minitrain.pipeline import PipelineStage
+from minitrain.precision import DynamicLossScaler, MasterWeightOptimizer
 from minitrain.tensor_parallel import apply_tensor_parallel, vocab_parallel_cross_entropy
 from minitrain.zero import ShardedOptimizer, ZeroDataParallel
 
 # "sgd" (lr = 1 in the tests) shows a constant error in a gradient's scale, which AdamW's
 # m / sqrt(v) cancels: a sum instead of a mean, a LayerNorm gradient counted t times
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}
+# --precision: the dtype forward and backward compute in (masters and optimizer stay fp32)
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -57,16 +63,20 @@ class Parallelized:
     replicas: int  # its size
     stage: PipelineStage | None = None
     context: ContextParallelGPT | None = None  # shards a batch, says where its tokens sit
+    scaler: DynamicLossScaler | None = None  # fp16: the loss is scaled by it (loss_fn does)
+    dense_numels: dict | None = None  # name -> elements in the dense GPT (a smaller one: TP split)
+    tp_group: ProcessGroup | None = None
 
 
 def full_layout(layout: dict) -> dict:
     """The layout with every key: dp, tp, pp, cp (1), zero (0), microbatches (1), schedule
     ("1f1b"), sequence_parallel (False), checkpointing ("none" or "full": every block
-    recomputed, chapter 3), optimizer ("adamw" or "sgd"). A planner ``Layout``'s fields are
+    recomputed, chapter 3), optimizer ("adamw" or "sgd"), precision ("fp32", "bf16" or
+    "fp16": the compute dtype; masters and optimizer state stay fp32). A planner ``Layout``'s fields are
     these keys (``minitrain.parallel.layout_dict``)."""
     out = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "zero": 0, "microbatches": 1,
            "schedule": "1f1b", "sequence_parallel": False, "checkpointing": "none",
-           "optimizer": "adamw"}
+           "optimizer": "adamw", "precision": "fp32"}
     unknown = set(layout) - set(out)
     if unknown:
         raise ValueError(f"unknown layout keys {sorted(unknown)}; expected {sorted(out)}")
@@ -80,6 +90,9 @@ def full_layout(layout: dict) -> dict:
     if out["optimizer"] not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZERS)}, "
                          f"got {out['optimizer']!r}")
+    if out["precision"] not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, "
+                         f"got {out['precision']!r}")
     return out
 
 
@@ -113,22 +126,57 @@ def apply_pipeline(model: GPT, group: ProcessGroup | None, checkpointing=None) -
 
 
 def apply_data_parallel(model: GPT, group: ProcessGroup | None, zero: int, optimizer_cls,
-                        lr: float, stage: PipelineStage | None = None):
+                        lr: float, stage: PipelineStage | None = None, compute_dtype=None):
     """Chapters 4–5 over ``group`` (the mesh's ``dp_cp``); returns (what a step calls, the
     optimizer). Under a pipeline the stage averages gradients itself, once per step
     (``train_step(dp_group=...)``), and ZeRO-1 shards the optimizer state; without one, DDP
     (``zero=0``, nothing to do on one replica) or ``ZeroDataParallel`` (stages 1–3, an
-    optimizer of its own)."""
-    if stage is not None:
-        params = [p for p in model.parameters() if p.requires_grad]
-        if zero == 1:  # chapter 5's ZeRO-1 under the pipeline's averaged gradients
-            return stage, ShardedOptimizer(params, optimizer_cls, group=group, lr=lr)
-        return stage, optimizer_cls(params, lr=lr)
-    if zero == 0:
-        wrapped = DataParallel(model, group=group) if dist.get_world_size(group) > 1 else model
-        return wrapped, optimizer_cls(model.parameters(), lr=lr)
-    wrapped = ZeroDataParallel(model, optimizer_cls, zero, group=group, lr=lr)
-    return wrapped, wrapped  # step() and zero_grad() of its own
+    optimizer of its own). ``compute_dtype`` (bf16/fp16): the model computes in it and the
+    optimizer steps fp32 masters — ``ZeroDataParallel(compute_dtype=)`` shards them; otherwise
+    chapter 2's ``MasterWeightOptimizer`` (on the DDP wrapper, so masters get the average;
+    under a pipeline the trainer averages the masters' fp32 gradients)."""
+    make = optimizer_cls
+    if stage is not None and zero == 1:  # chapter 5's ZeRO-1 under the pipeline's averaging
+        def make(params, **kw):
+            return ShardedOptimizer(params, optimizer_cls, group=group, **kw)
+    if zero > 0 and stage is None:
+        wrapped = ZeroDataParallel(model, optimizer_cls, zero, group=group, lr=lr,
+                                   compute_dtype=compute_dtype)
+        return wrapped, wrapped  # step() and zero_grad() of its own
+    module = stage if stage is not None else model
+    if compute_dtype is not None:
+        # the masters are the fp32 weights themselves, not their rounded low-precision copy
+        fp32 = [p.detach().clone() for p in module.parameters() if p.requires_grad]
+        module.to(compute_dtype)
+    wrapped = module
+    if stage is None and dist.get_world_size(group) > 1:
+        wrapped = DataParallel(model, group=group)
+    if compute_dtype is None:
+        return wrapped, make([p for p in module.parameters() if p.requires_grad], lr=lr)
+    optimizer = MasterWeightOptimizer(wrapped, make, lr=lr)
+    with torch.no_grad():
+        for master, weight in zip(optimizer.master_params, fp32):
+            master.copy_(weight)
+    return wrapped, optimizer
+
+
+def apply_precision(model: GPT, loss_fn: Callable, precision: str):
+    """bf16/fp16: the loss from fp32 logits (as autocast computes cross-entropy in fp32);
+    fp16: times chapter 2's ``DynamicLossScaler`` scale S, so small fp16 gradients survive
+    (Micikevicius et al. 2018, §3.2) — the trainer unscales. Sets ``model.loss_fn`` (what a
+    pipeline's last stage calls) too; returns (loss_fn, scaler or None)."""
+    if precision == "fp32":
+        return loss_fn, None
+    scaler = DynamicLossScaler() if precision == "fp16" else None
+
+    def wrap(fn):
+        def loss(logits, targets):
+            value = fn(logits.float(), targets)
+            return value if scaler is None else scaler.scale(value)
+        return loss
+
+    model.loss_fn = wrap(getattr(model, "loss_fn", lm_loss))
+    return wrap(loss_fn), scaler
 
 
 def parallelize(model: GPT, mesh: DeviceMesh, layout: dict, lr: float = 1e-3,
@@ -138,6 +186,7 @@ def parallelize(model: GPT, mesh: DeviceMesh, layout: dict, lr: float = 1e-3,
     the optimizer's, ``seed`` seeds TP's per-rank dropout stream (default: torch's)."""
     lo, config = full_layout(layout), model.config
     check_composition(config, lo)
+    dense_numels = {name: p.numel() for name, p in model.named_parameters()}
     dp_group, tp_group = mesh.group("dp_cp"), mesh.group("tp")
     loss_fn = lm_loss
     if lo["tp"] > 1:  # with SP and CP, SP cuts this CP rank's shard further (Megatron-Core)
@@ -149,7 +198,10 @@ def parallelize(model: GPT, mesh: DeviceMesh, layout: dict, lr: float = 1e-3,
     stage = apply_pipeline(model, mesh.group("pp"), recompute) if lo["pp"] > 1 else None
     if recompute and stage is None:  # chapter 3: every block recomputed in backward
         set_checkpointing(model, recompute)
+    loss_fn, scaler = apply_precision(model, loss_fn, lo["precision"])
     wrapped, optimizer = apply_data_parallel(model, dp_group, lo["zero"],
-                                             OPTIMIZERS[lo["optimizer"]], lr, stage)
+                                             OPTIMIZERS[lo["optimizer"]], lr, stage,
+                                             PRECISIONS[lo["precision"]])
     return Parallelized(model, wrapped, optimizer, loss_fn, dp_group,
-                        dist.get_world_size(dp_group), stage, context)
+                        dist.get_world_size(dp_group), stage, context, scaler, dense_numels,
+                        tp_group)

@@ -12,6 +12,10 @@ Every rank starts from the same dense model (same seed), so each rank's shards a
 the single-process model: the loss curve is the single process's, within float rounding.
 The global batch is fixed; ``minitrain.data.get_batch`` hands data-parallel rank r its
 rows, and every tensor-parallel (and pipeline) rank of a data-parallel replica reads the same.
+The model lives on ``minitrain.runtime.get_device()``; the data is generated on the CPU (its
+generator there) and moved. Between backward and the update, ``grad_norm.GradientStep``
+unscales (fp16), agrees on a skip, measures the global gradient norm and clips
+(``clip_grad_norm``); ``last_metrics`` holds that step's ``grad_norm`` (and ``loss_scale``).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from minitrain.data import MarkovChainData, get_batch
 from minitrain.ddp import DataParallel
 from minitrain.model import GPT, GPTConfig
 from minitrain.parallel.evaluation import held_out_loss, set_optimizer_lr
+from minitrain.parallel.grad_norm import GradientStep, owned_parameters, owned_zero_shards
 from minitrain.parallel.mesh import DeviceMesh, check_layout
 from minitrain.parallel.parallelize import (
     OPTIMIZERS,
@@ -32,6 +37,9 @@ from minitrain.parallel.parallelize import (
     full_layout,
     parallelize,
 )
+from minitrain.pipeline import average_gradients
+from minitrain.precision import MasterWeightOptimizer
+from minitrain.runtime import get_device
 from minitrain.tensor_parallel.random import load_rng_state_dict, rng_state_dict
 from minitrain.zero import ZeroDataParallel
 
@@ -40,7 +48,8 @@ class ParallelGPT:
     """One rank's share of the GPT on a mesh, its optimizer, and ``step(step_index)``.
 
     ``layout``: dict with dp, tp, pp, cp, zero (0–3), microbatches, schedule ("gpipe" or
-    "1f1b"), sequence_parallel, checkpointing, optimizer (``full_layout``). ``step`` returns
+    "1f1b"), sequence_parallel, checkpointing, optimizer, precision (``full_layout``).
+    ``clip_grad_norm`` > 0 clips the global gradient norm to it. ``step`` returns
     the global mean loss of that step (the same number on every rank), exactly what one
     process computes on the whole batch. ``state()`` / ``load_state()`` (or ``state_dict()`` /
     ``load_state_dict()``) save and restore everything a bit-exact continuation needs.
@@ -51,10 +60,16 @@ class ParallelGPT:
     """
 
     def __init__(self, config: GPTConfig, layout: dict, batch_size: int, lr: float, seed: int,
-                 mesh: DeviceMesh | None = None, *, data=None, eval_batches: int = 4):
+                 mesh: DeviceMesh | None = None, *, data=None, eval_batches: int = 4,
+                 clip_grad_norm: float = 0.0):
+        if not clip_grad_norm >= 0:
+            raise ValueError(f"clip_grad_norm must be >= 0 (0: off), got {clip_grad_norm!r}")
         self.config, self.batch_size, self.seed = config, batch_size, seed
-        self.data = data if data is not None else MarkovChainData(config.vocab_size,
-                                                                  config.seq_len, seed)
+        self.device = get_device()
+        if data is None:
+            with torch.device("cpu"):  # the data lives on the CPU; batches are moved
+                data = MarkovChainData(config.vocab_size, config.seq_len, seed)
+        self.data = data
         if self.data.vocab_size != config.vocab_size or self.data.seq_len != config.seq_len:
             raise ValueError(f"the data has vocab_size {self.data.vocab_size} and seq_len "
                              f"{self.data.seq_len}, the model {config.vocab_size} and "
@@ -68,18 +83,41 @@ class ParallelGPT:
         check_composition(config, lo)  # refused before any group is built
         self.mesh = mesh or DeviceMesh(dp=lo["dp"], tp=lo["tp"], pp=lo["pp"], cp=lo["cp"])
         torch.manual_seed(seed)  # the same dense model on every rank
-        parts = parallelize(GPT(config), self.mesh, lo, lr=lr, seed=seed)
+        with torch.device("cpu"):  # initialised on the CPU (the same numbers on every device)
+            dense = GPT(config)
+        dense = dense.to(self.device)
+        parts = parallelize(dense, self.mesh, lo, lr=lr, seed=seed)
         self.model, self.wrapped, self.optimizer = parts.model, parts.wrapped, parts.optimizer
         self.stage, self.context, self.loss_fn = parts.stage, parts.context, parts.loss_fn
-        self.dp_group, self.replicas = parts.dp_group, parts.replicas
-        # where batches go: made on the CPU (the same on every device), used on the model's
-        self.device = next(self.model.parameters()).device
+        self.dp_group, self.replicas, self.scaler = parts.dp_group, parts.replicas, parts.scaler
+        self.masters = isinstance(self.optimizer, MasterWeightOptimizer)
+        self.last_metrics: dict = {}
+        if isinstance(self.wrapped, ZeroDataParallel):  # it steps its inner optimizer itself
+            grads = owned_zero_shards(self.wrapped.live_units(), self.wrapped.rank,
+                                      parts.dense_numels, parts.tp_group)
+            self.gradient_step = GradientStep(grads, clip_grad_norm, self.scaler)
+            self.wrapped.optimizer.register_step_pre_hook(self.gradient_step.pre_hook)
+        else:
+            self.gradient_step = GradientStep(self.stepped_gradients(parts), clip_grad_norm,
+                                              self.scaler)
+
+    def stepped_gradients(self, parts):
+        """The fp32 tensors the optimizer steps (masters, or the parameters), by dense name."""
+        name_of = {id(p): n for n, p in self.model.named_parameters()}
+        if self.masters:
+            pairs = zip(self.optimizer.model_params, self.optimizer.master_params)
+        else:
+            pairs = ((p, p) for g in self.optimizer.param_groups for p in g["params"])
+        named = [(name_of[id(p)], stepped, p.numel()) for p, stepped in pairs]
+        return owned_parameters(named, parts.dense_numels, parts.tp_group, self.dp_group)
 
     def local_batch(self, step: int, held_out: bool = False):
         """This data-parallel rank's rows of the global batch of ``step`` (of the held-out
         set's batch ``step`` with ``held_out``), on the model's device."""
-        x, y = self.data.get_batch(step, self.batch_size, self.mesh.coords().dp,
-                                   self.layout["dp"], device=self.device, held_out=held_out)
+        with torch.device("cpu"):  # generated by its CPU generator, then moved
+            x, y = self.data.get_batch(step, self.batch_size, self.mesh.coords().dp,
+                                       self.layout["dp"], held_out=held_out)
+        x, y = x.to(self.device), y.to(self.device)
         if self.context is not None:  # and this context-parallel rank's tokens of it
             x, y = self.context.shard(x), self.context.shard(y)
         return x, y
@@ -90,26 +128,33 @@ class ParallelGPT:
         # where this rank's tokens sit in the sequence: 0..s-1, or its CP shard's (chapter 10)
         pos = None if self.context is None else self.context.positions(x)
         m = self.layout["microbatches"]
-        self.optimizer.zero_grad(set_to_none=True)
+        # fp16: the loss functions multiply by S; the logged loss is divided back (exact: 2^k)
+        scale = 1.0 if self.scaler is None else self.scaler.get_scale()
+        self.optimizer.zero_grad()
         if self.stage is not None:
             dp = self.dp_group if self.replicas > 1 else None
-            loss = self.stage.train_step(x, y, self.layout["schedule"], m, dp_group=dp,
-                                         positions=pos)
-            self.optimizer.step()
-            return self.reduce_loss(loss)
-        total = 0.0
-        chunks = list(zip(x.chunk(m), y.chunk(m)))
-        for i, (xi, yi) in enumerate(chunks):
-            # gradient accumulation: only the last micro-batch's backward synchronises
-            last = i == len(chunks) - 1
-            accumulate = isinstance(self.wrapped, DataParallel) and not last
-            sync = self.wrapped.no_sync() if accumulate else nullcontext()
-            with sync:
-                loss = self.loss_fn(self.wrapped(xi, positions=pos), yi) / m
-                loss.backward()
-            total += loss.detach()
-        self.optimizer.step()
-        return self.reduce_loss(total)
+            total = self.stage.train_step(x, y, self.layout["schedule"], m, dp_group=dp,
+                                          positions=pos)
+            if self.masters and dp is not None:  # fp32 masters' gradients, averaged in fp32
+                average_gradients(self.optimizer.master_params, dp)
+        else:
+            total = 0.0
+            chunks = list(zip(x.chunk(m), y.chunk(m)))
+            for i, (xi, yi) in enumerate(chunks):
+                # gradient accumulation: only the last micro-batch's backward synchronises
+                last = i == len(chunks) - 1
+                accumulate = isinstance(self.wrapped, DataParallel) and not last
+                sync = self.wrapped.no_sync() if accumulate else nullcontext()
+                with sync:
+                    loss = self.loss_fn(self.wrapped(xi, positions=pos), yi) / m
+                    loss.backward()
+                total += loss.detach().float()
+        if isinstance(self.wrapped, ZeroDataParallel):
+            self.optimizer.step()  # the pre-hook unscales, agrees, measures and clips
+        else:
+            self.gradient_step.step(self.optimizer)
+        self.last_metrics = dict(self.gradient_step.metrics)
+        return self.reduce_loss(total) / scale
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next ``step``, on whatever optimizer this layout uses
@@ -131,14 +176,20 @@ class ParallelGPT:
         return t.item()
 
     def state(self) -> dict:
-        """What a checkpoint must hold to continue bit-exactly: weights, optimizer, RNG."""
+        """What a checkpoint must hold to continue bit-exactly: weights, fp32 masters,
+        optimizer, loss scale, RNG."""
         out = {"model": self.model_state(), "rng": torch.get_rng_state(),
                "tp_rng": rng_state_dict(self.model)}  # TP dropout's per-rank streams
         if isinstance(self.wrapped, ZeroDataParallel):  # its shards and its inner optimizer
             out["shards"] = [u.master.detach().clone() for u in self.wrapped.live_units()]
             out["optimizer"] = self.wrapped.optimizer.state_dict()
+        elif self.masters:  # the fp32 masters keep digits the bf16/fp16 model cannot hold
+            out["masters"] = [p.detach().clone() for p in self.optimizer.master_params]
+            out["optimizer"] = self.optimizer.optimizer.state_dict()
         else:
             out["optimizer"] = self.optimizer.state_dict()
+        if self.scaler is not None:
+            out["scaler"] = self.scaler.state_dict()
         return out
 
     def model_state(self) -> dict:
@@ -155,12 +206,20 @@ class ParallelGPT:
             with torch.no_grad():
                 for u, saved in zip(self.wrapped.live_units(), state["shards"]):
                     u.master.copy_(saved)
-                    u.shard.copy_(saved)
+                    u.shard.copy_(saved)  # rounded to the compute dtype, if one
             self.wrapped.optimizer.load_state_dict(state["optimizer"])
             self.wrapped.refresh_from_shards()  # the module's parameters from the shards
+        elif self.masters:
+            self.model.load_state_dict(state["model"])
+            with torch.no_grad():
+                for master, saved in zip(self.optimizer.master_params, state["masters"]):
+                    master.copy_(saved)
+            self.optimizer.optimizer.load_state_dict(state["optimizer"])
         else:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
         torch.set_rng_state(state["rng"])
         load_rng_state_dict(self.model, state.get("tp_rng", {}))
 

@@ -40,7 +40,7 @@ class DynamicLossScaler:
             raise ValueError(f"growth_interval must be a positive int, got {growth_interval!r}")
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval = growth_interval
-        self._scale = torch.tensor(init_scale, dtype=torch.float32)
+        self._scale = torch.tensor(init_scale, dtype=torch.float32, device="cpu")
         self._growth_tracker = 0  # consecutive clean steps since the last growth or backoff
         self._found_inf: dict[int, bool] = {}  # id(optimizer) -> overflow seen, since update()
         self._stepped: set[int] = set()
@@ -92,7 +92,9 @@ class DynamicLossScaler:
         key = id(optimizer)
         if key not in self._found_inf:
             raise RuntimeError("all_reduce_found_inf() needs unscale_() first.")
-        flag = torch.tensor([float(self._found_inf[key])])
+        # on the gradients' device (NCCL reduces only GPU tensors)
+        device = next((p.device for g in optimizer.param_groups for p in g["params"]), "cpu")
+        flag = torch.tensor([float(self._found_inf[key])], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         self._found_inf[key] = bool(flag.item())
         return self._found_inf[key]
@@ -135,3 +137,16 @@ class DynamicLossScaler:
         ### END SOLUTION
         self._found_inf.clear()
         self._stepped.clear()
+
+    def state_dict(self) -> dict:
+        """The scale and the growth tracker, so a resumed run scales as the straight run
+        would (``torch.amp.GradScaler.state_dict`` holds the same)."""
+        return {"scale": float(self._scale), "growth_factor": self.growth_factor,
+                "backoff_factor": self.backoff_factor, "growth_interval": self.growth_interval,
+                "_growth_tracker": self._growth_tracker}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._scale = torch.tensor(state["scale"], dtype=torch.float32, device="cpu")
+        self.growth_factor, self.backoff_factor = state["growth_factor"], state["backoff_factor"]
+        self.growth_interval = state["growth_interval"]
+        self._growth_tracker = state["_growth_tracker"]
