@@ -811,6 +811,14 @@ MUTATIONS = [
         "class ZeroDataParallel(OrderedGathers.__base__):",
         ["tests/test_sharded_units.py::test_container_models_match_one_process[3]"],
     ),
+    # issue 28: mixture of experts in the capstone, Switch's top-1 gating
+    Mutation(
+        "MoE: Switch top-1 gated by the renormalised weight (1), router untrained by the task",
+        "minitrain/moe/router.py",
+        "            weights = probs.gather(-1, indices)\n",
+        "            pass\n",
+        ["tests/test_moe.py::test_switch_top1_router_learns_from_the_task_loss_alone"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

@@ -4,7 +4,9 @@ notebook 08).
 A linear gate scores every token against every expert; a softmax makes the scores
 probabilities; each token picks its ``top_k`` experts (k = 1: Switch Transformer, Fedus et
 al. 2021; k = 2: GShard, Lepikhin et al. 2020) and its output is their outputs weighted by
-the chosen probabilities renormalised to sum to 1. Each expert takes at most
+the chosen probabilities renormalised to sum to 1 — except at k = 1, where Switch gates by
+the raw probability (renormalised it would be 1, and the task loss could not train the
+router). Each expert takes at most
 
     capacity = ⌈capacity_factor · k · T / E⌉     (Fedus et al. 2021, section 2.1, eq. 3)
 
@@ -129,6 +131,13 @@ class TopKRouter(nn.Module):
                                    self.capacity_factor)
         bias = self.expert_bias if self.balancing == "bias" else None
         indices, weights, keep = top_k_routing(probs, self.top_k, capacity, bias)
+        if self.top_k == 1:
+            # Switch (Fedus et al. 2021, eq. 2: y = p_i(x)·E_i(x)) gates by the raw probability:
+            # renormalised it would be p/p = 1, a constant, and the task loss would give the
+            # router no gradient at all (only the aux loss would train it). Top-k > 1 keeps
+            # the renormalised weights (GShard; Mixtral, Jiang et al. 2024): their ratios
+            # still depend on the logits, so the task loss trains the router through them.
+            weights = probs.gather(-1, indices)
         routing = Routing(indices, weights, keep, probs, logits, capacity)
         aux = logits.new_zeros(())
         if self.balancing == "aux_loss" and self.aux_loss_weight:
