@@ -23,6 +23,7 @@ import torch.distributed as dist
 from minitrain.data import get_batch
 from minitrain.ddp import DataParallel
 from minitrain.model import GPT, GPTConfig
+from minitrain.moe import moe_layers, set_aux_loss_scale
 from minitrain.parallel.mesh import DeviceMesh, check_layout
 from minitrain.parallel.parallelize import (
     OPTIMIZERS,
@@ -51,12 +52,16 @@ class ParallelGPT:
         check_layout(config, lo["dp"], lo["tp"], lo["pp"], lo["cp"], config.seq_len,
                      batch_size, lo["microbatches"])
         check_composition(config, lo)  # refused before any group is built
-        self.mesh = mesh or DeviceMesh(dp=lo["dp"], tp=lo["tp"], pp=lo["pp"], cp=lo["cp"])
+        self.mesh = mesh or DeviceMesh(dp=lo["dp"], tp=lo["tp"], pp=lo["pp"], cp=lo["cp"],
+                                       ep=lo["ep"])
         torch.manual_seed(seed)  # the same dense model on every rank
         parts = parallelize(GPT(config), self.mesh, lo, lr=lr, seed=seed)
         self.model, self.wrapped, self.optimizer = parts.model, parts.wrapped, parts.optimizer
         self.stage, self.context, self.loss_fn = parts.stage, parts.context, parts.loss_fn
         self.dp_group, self.replicas = parts.dp_group, parts.replicas
+        self.experts = parts.experts  # expert parallelism's gradient averaging, or None
+        self.moe_layers = moe_layers(self.model)
+        self.last_metrics = {}  # this step's extra log fields (aux_loss), merged by the command
 
     def local_batch(self, step: int):
         """This data-parallel rank's rows of the global batch of ``step``."""
@@ -81,6 +86,8 @@ class ParallelGPT:
             self.optimizer.step()
             return self.reduce_loss(loss)
         total = 0.0
+        aux = torch.zeros((), device=x.device)  # the routers' balancing losses, for the log
+        set_aux_loss_scale(self.model, 1.0 / m)  # chapter 8: the aux loss in backward, 1/M
         chunks = list(zip(x.chunk(m), y.chunk(m)))
         for i, (xi, yi) in enumerate(chunks):
             # gradient accumulation: only the last micro-batch's backward synchronises
@@ -91,6 +98,12 @@ class ParallelGPT:
                 loss = self.loss_fn(self.wrapped(xi, positions=pos), yi) / m
                 loss.backward()
             total += loss.detach()
+            for layer in self.moe_layers:  # Switch's N·Σ f·P of this micro-batch, unweighted
+                aux = aux + layer.router.balance_loss / m
+        if self.experts is not None:  # the experts' gradients over expert_dp (chapter 8)
+            self.experts.average()
+        if self.moe_layers:  # the global mean, the same number on every rank
+            self.last_metrics = {"aux_loss": self.reduce_loss(aux)}
         self.optimizer.step()
         return self.reduce_loss(total)
 
