@@ -12,8 +12,9 @@ import torch
 from minitrain.data import get_batch
 from minitrain.model import GPT, GPTConfig
 from minitrain.moe import moe_layers
-from minitrain.parallel import ParallelGPT
+from minitrain.parallel import ParallelGPT, enumerate_layouts, layout_dict
 from minitrain.parallel.parallelize import OPTIMIZERS
+from minitrain.parallel.planner import Layout, moe_params_per_rank
 from minitrain.runtime import launch
 from minitrain.train import main
 
@@ -65,7 +66,21 @@ def _run_layouts(world):
                 losses.append(job.step(step))
                 auxes.append(job.last_metrics["aux_loss"])
             key = (tuple(sorted(layout.items())), optimizer)
-            out[key] = (losses, auxes, job.mesh.ranks("ep"), job.mesh.ranks("expert_dp"))
+            out[key] = (losses, auxes, job.mesh.ranks("ep"), job.mesh.ranks("expert_dp"),
+                        sum(p.numel() for p in job.model.parameters()))
+    return out
+
+
+def _train_planner_layouts(layouts):
+    from minitrain.parallel import DeviceMesh
+
+    meshes, out = {}, []
+    for layout in layouts:
+        shape = tuple(layout[k] for k in ("dp", "tp", "pp", "cp", "ep"))
+        if shape not in meshes:
+            meshes[shape] = DeviceMesh(*shape)
+        job = ParallelGPT(CFG, layout, BATCH, LRS["sgd"], SEED, mesh=meshes[shape])
+        out.append([job.step(step) for step in range(STEPS)])
     return out
 
 
@@ -87,7 +102,7 @@ def test_moe_layouts_equal_one_process(runs, layout, optimizer):
     results, refs = runs
     ref_losses, ref_aux = refs[optimizer, layout.get("microbatches", 1)]
     per_rank = results[(tuple(sorted(layout.items())), optimizer)]
-    for rank, (losses, auxes, _, _) in per_rank.items():
+    for rank, (losses, auxes, *_) in per_rank.items():
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (rank, losses, ref_losses)
         assert max(abs(a - b) for a, b in zip(auxes, ref_aux)) < 1e-5, (rank, auxes, ref_aux)
     assert len({tuple(v[0]) for v in per_rank.values()}) == 1  # the same on every rank
@@ -130,3 +145,29 @@ def test_bad_moe_flags_are_one_line_errors(argv, message, capsys):
         main(argv)
     assert exc.value.code != 0
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout", [layout for world in LAYOUTS for layout in LAYOUTS[world]],
+                         ids=lambda lo: "-".join(f"{k}{v}" for k, v in lo.items()))
+def test_planner_moe_parameters_per_rank_equal_measured(runs, layout):
+    """The planner's count (router replicated, E/ep experts whole on every TP rank) against
+    the parameters each rank really holds."""
+    results, _ = runs
+    want = sum(moe_params_per_rank(CFG, Layout(**layout)))
+    for rank, value in results[(tuple(sorted(layout.items())), "adamw")].items():
+        assert value[4] == want, f"rank {rank}: holds {value[4]}, planner says {want}"
+
+
+def test_planner_moe_layouts_train_like_one_process():
+    """The planner's MoE layouts on 4 devices (reduced: ZeRO-0, no recomputation, one
+    micro-batch) build and give one process's losses with SGD, lr 1."""
+    layouts = [dict(layout_dict(lo), optimizer="sgd")
+               for lo in enumerate_layouts(CFG, CFG.seq_len, BATCH, 4, 4, zero_stages=(0,),
+                                           checkpointing=("none",)) if lo.microbatches == 1]
+    assert {lo["ep"] for lo in layouts} == {1, 2, 4}
+    ref, _ = reference("sgd")
+    results = launch(_train_planner_layouts, 4, layouts, timeout=600)
+    for i, layout in enumerate(layouts):
+        for rank, got in enumerate(r[i] for r in results):
+            delta = max(abs(a - b) for a, b in zip(got, ref))
+            assert delta < 1e-5, f"{layout} rank {rank}: max |Δloss| = {delta:.2e}"
