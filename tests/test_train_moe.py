@@ -23,7 +23,8 @@ CFG = GPTConfig(vocab_size=32, seq_len=16, n_layer=2, n_head=2, d_model=32,
 BATCH, SEED, STEPS = 8, 0, 3
 LRS = {"adamw": 1e-2, "sgd": 1.0}
 LAYOUTS = {  # world size -> layouts run in that launch
-    2: [dict(dp=2, ep=2), dict(dp=2, ep=2, microbatches=2)],
+    2: [dict(dp=2, ep=2), dict(dp=2, ep=2, microbatches=2), dict(dp=2, zero=1),
+        dict(dp=2, zero=3)],
     4: [dict(dp=4, ep=2), dict(dp=2, tp=2, ep=2), dict(dp=2, cp=2, ep=4)],
 }
 
@@ -66,7 +67,8 @@ def _run_layouts(world):
                 losses.append(job.step(step))
                 auxes.append(job.last_metrics["aux_loss"])
             key = (tuple(sorted(layout.items())), optimizer)
-            out[key] = (losses, auxes, job.mesh.ranks("ep"), job.mesh.ranks("expert_dp"),
+            ep = job.mesh.ranks("ep") if job.mesh.ep > 1 else None
+            out[key] = (losses, auxes, ep, job.mesh.ranks("expert_dp"),
                         sum(p.numel() for p in job.model.parameters()))
     return out
 
@@ -139,6 +141,7 @@ def test_command_logs_aux_loss_equal_to_one_process(tmp_path):
     (["--dp", "2", "--ep", "2"], "--ep 2 needs experts"),
     (["--dp", "4", "--ep", "4", "--moe-experts", "6"], "--moe-experts 6 is not divisible by --ep 4"),
     (["--pp", "2", "--moe-experts", "4"], "--moe-experts with --pp"),
+    (["--dp", "2", "--ep", "2", "--zero", "1", "--moe-experts", "4"], "--ep 2 with --zero 1"),
 ])
 def test_bad_moe_flags_are_one_line_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -153,17 +156,20 @@ def test_planner_moe_parameters_per_rank_equal_measured(runs, layout):
     """The planner's count (router replicated, E/ep experts whole on every TP rank) against
     the parameters each rank really holds."""
     results, _ = runs
+    if layout.get("zero"):  # ZeRO's ranks hold shards (chapter 5 counts those)
+        return
     want = sum(moe_params_per_rank(CFG, Layout(**layout)))
     for rank, value in results[(tuple(sorted(layout.items())), "adamw")].items():
         assert value[4] == want, f"rank {rank}: holds {value[4]}, planner says {want}"
 
 
 def test_planner_moe_layouts_train_like_one_process():
-    """The planner's MoE layouts on 4 devices (reduced: ZeRO-0, no recomputation, one
+    """The planner's MoE layouts on 4 devices (reduced: ZeRO-0 and 3, no recomputation, one
     micro-batch) build and give one process's losses with SGD, lr 1."""
     layouts = [dict(layout_dict(lo), optimizer="sgd")
-               for lo in enumerate_layouts(CFG, CFG.seq_len, BATCH, 4, 4, zero_stages=(0,),
+               for lo in enumerate_layouts(CFG, CFG.seq_len, BATCH, 4, 4, zero_stages=(0, 3),
                                            checkpointing=("none",)) if lo.microbatches == 1]
+    assert any(lo["zero"] == 3 for lo in layouts)
     assert {lo["ep"] for lo in layouts} == {1, 2, 4}
     ref, _ = reference("sgd")
     results = launch(_train_planner_layouts, 4, layouts, timeout=600)

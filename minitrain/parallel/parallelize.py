@@ -119,11 +119,14 @@ def check_moe_composition(config, lo: dict) -> None:
         raise ValueError(f"--moe-experts {experts} is not divisible by --ep {ep}")
     if not experts:
         return
-    for flag, on in (("--pp", lo["pp"] > 1), ("--zero", lo["zero"] > 0),
-                     ("--sequence-parallel", lo["sequence_parallel"])):
+    for flag, on in (("--pp", lo["pp"] > 1), ("--sequence-parallel", lo["sequence_parallel"])):
         if on:  # one line naming the flags: not built (yet), rather than built wrong
             raise ValueError(f"--moe-experts with {flag}: not supported (mixture of experts "
-                             "composes with --dp, --tp, --cp and --ep)")
+                             "composes with --dp, --tp, --cp, --zero and --ep)")
+    if ep > 1 and lo["zero"]:  # ZeRO would shard different ranks' experts as one tensor
+        raise ValueError(f"--ep {ep} with --zero {lo['zero']}: not supported (ZeRO shards "
+                         "over dp × cp, where expert-parallel ranks hold different experts); "
+                         "use --zero 0 with --ep")
 
 
 class ExpertGradients:

@@ -279,11 +279,11 @@ def enumerate_layouts(config: GPTConfig, seq_len: int, global_batch: int, device
 
 
 def _expert_parallel_sizes(config: GPTConfig, replicas: int, pp: int, zero: int) -> list[int]:
-    """ep sizes dividing dp × cp and the experts; MoE runs with pp = 1 and ZeRO-0 (and no SP;
-    ``parallelize.check_moe_composition``), a dense model with ep = 1."""
-    if not config.moe_experts:
-        return [1]
-    if pp > 1 or zero > 0:
+    """ep sizes dividing dp × cp and the experts; MoE runs with pp = 1, ep > 1 with ZeRO-0
+    (and no SP; ``parallelize.check_moe_composition``), a dense model with ep = 1."""
+    if not config.moe_experts or zero > 0:
+        return [] if pp > 1 and config.moe_experts else [1]
+    if pp > 1:
         return []
     return [ep for ep in _divisors(replicas, replicas) if config.moe_experts % ep == 0]
 
