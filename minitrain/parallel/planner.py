@@ -235,8 +235,9 @@ def step_time(config: GPTConfig, layout: Layout, seq_len: int, global_batch: int
     edp = lo.dp * lo.cp // lo.ep  # the experts' replicas, ep · tp ranks apart
     beta_edp = 1 / _bandwidth(c, lo.tp * lo.ep, edp)
     volume = 1.5 if lo.zero == 3 else 1.0  # ZeRO §7: 3Ψ instead of 2Ψ
-    out["dp"] = volume * (predict_all_reduce("ring", grads, lo.dp * lo.cp, a, beta_dp)
-                          + predict_all_reduce("ring", expert_grads, edp, a, beta_edp))
+    out["dp"] = volume * predict_all_reduce("ring", grads, lo.dp * lo.cp, a, beta_dp)
+    if expert_grads:  # expert parallelism's own all-reduce, over the expert-data-parallel ranks
+        out["dp"] += volume * predict_all_reduce("ring", expert_grads, edp, a, beta_edp)
     out["total"] = sum(out.values())
     return out
 
