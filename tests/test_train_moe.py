@@ -141,6 +141,8 @@ def test_command_logs_aux_loss_equal_to_one_process(tmp_path):
     (["--dp", "2", "--ep", "2"], "--ep 2 needs experts"),
     (["--dp", "4", "--ep", "4", "--moe-experts", "6"], "--moe-experts 6 is not divisible by --ep 4"),
     (["--pp", "2", "--moe-experts", "4"], "--moe-experts with --pp"),
+    (["--moe-experts", "4", "--moe-capacity-factor", "0"], "--moe-capacity-factor 0"),
+    (["--d-model", "30", "--n-head", "4"], "d_model=30"),
     (["--dp", "2", "--ep", "2", "--zero", "1", "--moe-experts", "4"], "--ep 2 with --zero 1"),
 ])
 def test_bad_moe_flags_are_one_line_errors(argv, message, capsys):

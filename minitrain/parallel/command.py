@@ -106,7 +106,7 @@ def check_moe_flags(args: dict) -> str | None:
         return f"--moe-top-k {k} must be between 1 and --moe-experts {experts}"
     if c is not None and not c > 0:
         return f"--moe-capacity-factor {c} must be positive"
-    try:
+    try:  # (a bad model shape is reported here too: one line either way)
         check_moe_composition(config_of(args), full_layout(layout_of(args)))
     except ValueError as exc:
         return str(exc)
