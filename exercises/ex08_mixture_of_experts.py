@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 import torch
+import torch.distributed as dist
 from dataclasses import dataclass
 from torch import nn
-from minitrain.moe.losses import router_z_loss
+from minitrain.moe.losses import batch_load_balancing_loss, router_z_loss
 
 
 def top_k_routing(probs: torch.Tensor, top_k: int, capacity: int,
@@ -76,4 +77,4 @@ def load_balancing_loss(router_probs: torch.Tensor, expert_indices: torch.Tensor
     # HINT: P = router_probs.mean over the tokens; the loss is num_experts * (f * P).sum()
     raise NotImplementedError("exercise: write load_balancing_loss (see its docstring)")
 
-# minitrain-exercises-hash: 179a99c004cd2a15
+# minitrain-exercises-hash: 6b062bd72134d71e

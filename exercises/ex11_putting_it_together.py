@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import NamedTuple
 from minitrain.collectives.cost_model import predict_all_reduce
 from minitrain.model import GPTConfig
+from minitrain.moe.measure import all_to_all_bytes_formula
 from minitrain.parallel.mesh import AXES, MeshCoords, _sizes
 from minitrain.pipeline import split_blocks
 from minitrain.step import flops_per_token
@@ -65,4 +66,4 @@ def params_per_rank(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0)
     # HINT: count one block's parameters with h = d_model, f = d_ff, then add the stage's ends
     raise NotImplementedError("exercise: write params_per_rank (see its docstring)")
 
-# minitrain-exercises-hash: 85796fce2af1f151
+# minitrain-exercises-hash: 7175fc8bf829f512

@@ -48,6 +48,11 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # biases in every Linear and LayerNorm
     tie_weights: bool = False  # share the LM head with the token embedding
+    # mixture of experts (chapter 8's MoELayer in every block's MLP; 0: dense MLPs)
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_capacity_factor: float | None = None  # None: no token dropped
+    moe_aux_weight: float = 0.01  # Switch's load-balancing loss weight α
 
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model"):
@@ -60,6 +65,9 @@ class GPTConfig:
             self.d_ff = 4 * self.d_model
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts:
+            raise ValueError(f"moe_top_k={self.moe_top_k} must be between 1 and "
+                             f"moe_experts={self.moe_experts}")
 
 
 def gpt_num_params(config: GPTConfig) -> int:
@@ -197,6 +205,11 @@ class GPT(nn.Module):
         if config.tie_weights:
             self.head.weight = self.tok_emb.weight
         self.apply(self._init_weights)
+        if config.moe_experts:  # chapter 8's layers in place of the MLPs, not re-implemented
+            from minitrain.moe.apply import apply_moe  # here: minitrain.moe imports this module
+
+            apply_moe(self, config.moe_experts, config.moe_top_k, config.moe_capacity_factor,
+                      seed=None, aux_loss_weight=config.moe_aux_weight)
         # Extension points: plain attributes later chapters set.
         self.loss_fn = lm_loss  # (logits, targets) -> loss; chapter 6 sets the vocab-parallel one
         self.block_loop = None  # or (blocks, x) -> x instead of the plain loop: chapter 3

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import NamedTuple
 from minitrain.collectives.cost_model import predict_all_reduce
 from minitrain.model import GPTConfig
+from minitrain.moe.measure import all_to_all_bytes_formula
 from minitrain.parallel.mesh import AXES, MeshCoords, _sizes
 from minitrain.pipeline import split_blocks
 from minitrain.step import flops_per_token
@@ -88,4 +89,4 @@ def params_per_rank(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0)
     return total
     ### END SOLUTION
 
-# minitrain-exercises-hash: 78483b497bed4dc0
+# minitrain-exercises-hash: d7589107dbe03f28

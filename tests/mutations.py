@@ -941,6 +941,41 @@ MUTATIONS = [
         "                pass\n",
         [f"{PRECISION_TESTS}::test_resume_is_bit_exact[dp2]"],
     ),
+    Mutation(
+        "MoE: Switch top-1 gated by the renormalised weight (1), router untrained by the task",
+        "minitrain/moe/router.py",
+        "            weights = probs.gather(-1, indices)\n",
+        "            pass\n",
+        ["tests/test_moe.py::test_switch_top1_router_learns_from_the_task_loss_alone"],
+    ),
+    Mutation(
+        "MoE capstone: expert gradients averaged over dp_cp, not the expert-data-parallel group",
+        "minitrain/parallel/parallelize.py",
+        'ExpertGradients(params, mesh.group("expert_dp"), dist.get_world_size(dp_cp))',
+        "ExpertGradients(params, dp_cp, dist.get_world_size(dp_cp))",
+        ["tests/test_train_moe.py::test_moe_layouts_equal_one_process[dp4-ep2-sgd]"],
+    ),
+    Mutation(
+        "MoE capstone: DDP averages (and broadcasts) the expert-parallel experts too",
+        "minitrain/parallel/parallelize.py",
+        "                                             experts.params if experts else ())",
+        "                                             ())",
+        ["tests/test_train_moe.py::test_moe_layouts_equal_one_process[dp2-ep2-adamw]"],
+    ),
+    Mutation(
+        "MoE capstone: each rank balances its own tokens (load not counted over dp × cp)",
+        "minitrain/parallel/parallelize.py",
+        "            layer.router.token_group = dp_cp\n",
+        "            pass\n",
+        ["tests/test_train_moe.py::test_moe_layouts_equal_one_process[dp2-ep2-sgd]"],
+    ),
+    Mutation(
+        "MoE capstone: aux loss not scaled 1/M with M micro-batches",
+        "minitrain/parallel/trainer.py",
+        "set_aux_loss_scale(self.model, 1.0 / m)",
+        "set_aux_loss_scale(self.model, 1.0)",
+        ["tests/test_train_moe.py::test_moe_layouts_equal_one_process[dp2-ep2-microbatches2-sgd]"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

@@ -53,7 +53,9 @@ def reference_moe(layer, x):
             if keep[t, j]:
                 e = int(idx[t, j])
                 h = F.gelu(x[t] @ ex.w_in[e] + ex.b_in[e])
-                y = y + chosen[j] / chosen.sum() * (h @ ex.w_out[e] + ex.b_out[e])
+                # Switch gates top-1 by the raw probability; top-k > 1 renormalises
+                w = chosen[j] if layer.top_k == 1 else chosen[j] / chosen.sum()
+                y = y + w * (h @ ex.w_out[e] + ex.b_out[e])
         rows.append(y)
     return torch.stack(rows)
 
@@ -163,6 +165,31 @@ def test_moe_layer_matches_the_token_loop(k, capacity_factor):
     if capacity_factor is not None:  # dropped tokens: output 0
         dropped = ~layer.last_routing.keep.any(-1)
         assert dropped.any() and (y[dropped] == 0).all()
+
+
+def test_switch_top1_router_learns_from_the_task_loss_alone():
+    """Switch (Fedus et al. 2021, eq. 2) gates top-1 by the raw probability, so the task loss
+    alone (no aux loss) trains the router: d/dW of Σ y·g equals the formula's, and is not ~0.
+    Top-2 keeps renormalised weights that sum to 1 (GShard / Mixtral)."""
+    torch.manual_seed(0)
+    layer = MoELayer(6, 10, 4, top_k=1, aux_loss_weight=0)
+    x = torch.randn(14, 6)
+    g = torch.randn(14, 6)
+    (layer(x) * g).sum().backward()
+    grad = layer.router.gate.weight.grad
+    # the formula by hand: y_t = p_e(x_t) · E_e(x_t), e = argmax p
+    w = layer.router.gate.weight.detach().clone().requires_grad_()
+    probs = torch.softmax(x @ w.t(), dim=-1)
+    e = probs.argmax(-1)
+    ex = layer.experts
+    out = torch.stack([F.gelu(x[t] @ ex.w_in[e[t]] + ex.b_in[e[t]]) @ ex.w_out[e[t]]
+                       + ex.b_out[e[t]] for t in range(14)]).detach()
+    (probs.gather(-1, e[:, None]) * out * g).sum().backward()
+    torch.testing.assert_close(grad, w.grad)
+    assert grad.abs().max() > 1e-3, f"top-1 router gradient {grad.abs().max():.2e}: gated by 1?"
+    top2 = MoELayer(6, 10, 4, top_k=2, aux_loss_weight=0)
+    top2(x)
+    torch.testing.assert_close(top2.last_routing.weights.sum(-1), torch.ones(14))
 
 
 def test_moe_gpt_adds_aux_loss_and_trains():

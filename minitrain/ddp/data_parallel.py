@@ -66,6 +66,9 @@ class DataParallel(nn.Module):
     own all-reduce. "Used" means its gradient hook ran since the last synchronisation
     (``no_sync`` backwards count).
 
+    ``ignored_params``: parameters this wrapper leaves alone (not broadcast, not averaged),
+    like torch DDP's ``_set_params_and_buffers_to_ignore_for_model``.
+
     ``register_averaged_grad_hook(fn)``: ``fn(param)`` runs for every parameter once its
     averaged gradient is in ``param.grad`` (``MasterWeightOptimizer`` uses it so its fp32
     masters receive the average, not this rank's gradient).
@@ -78,6 +81,7 @@ class DataParallel(nn.Module):
         group: ProcessGroup | None = None,
         overlap: bool = True,
         communication="torch",
+        ignored_params=(),
     ):
         super().__init__()
         if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb >= 0):
@@ -92,9 +96,13 @@ class DataParallel(nn.Module):
         self.world_size = dist.get_world_size(group)
         self.overlap = overlap
         self.communication = communication
-        self._params = [p for p in module.parameters() if p.requires_grad]  # deduplicated
+        # ignored_params: not replicas, so neither broadcast nor averaged here (chapter 11:
+        # an expert-parallel rank's experts, averaged over the expert-data-parallel group)
+        ignored = {id(p) for p in ignored_params}
+        self._params = [p for p in module.parameters()  # deduplicated
+                        if p.requires_grad and id(p) not in ignored]
         check_replicas_match(self._params, group)
-        broadcast_from_first_rank(module, group)
+        broadcast_from_first_rank(module, group, skip=ignored_params)
         self.buckets = make_buckets(self._params, bucket_cap_mb)
         # parameter -> (bucket, position in the bucket); Parameters hash by identity
         self._location = {

@@ -15,13 +15,17 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 
-def broadcast_from_first_rank(module: nn.Module, group: ProcessGroup | None = None) -> None:
+def broadcast_from_first_rank(module: nn.Module, group: ProcessGroup | None = None,
+                              skip=()) -> None:
     """Make every rank's copy of ``module`` (parameters and buffers) equal to that of the
-    group's first rank: replicas must start equal (chapter 4's DDP, chapter 5's ZeRO)."""
+    group's first rank: replicas must start equal (chapter 4's DDP, chapter 5's ZeRO).
+    ``skip``: parameters that are not replicas (an expert-parallel rank's own experts)."""
     src = 0 if group is None else dist.get_global_rank(group, 0)
+    skipped = {id(t) for t in skip}
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(t.data, src, group=group)
+            if id(t) not in skipped:
+                dist.broadcast(t.data, src, group=group)
 
 
 def check_replicas_match(params: list[nn.Parameter], group: ProcessGroup | None = None) -> None:

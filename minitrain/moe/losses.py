@@ -13,12 +13,14 @@ where the forward that the loss reads runs without a graph and only the recomput
 backward builds one.
 
 Both are computed per call on the tokens the router saw, so a rank of expert parallelism
-computes exactly what the local layer computes for the same tokens.
+computes exactly what the local layer computes for the same tokens. ``batch_load_balancing_loss``
+counts f over the tokens of every rank of a group instead (the capstone: one process's loss).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 
 def load_balancing_loss(router_probs: torch.Tensor, expert_indices: torch.Tensor,
@@ -45,6 +47,27 @@ def load_balancing_loss(router_probs: torch.Tensor, expert_indices: torch.Tensor
     p = router_probs.mean(dim=0)
     return num_experts * (f * p).sum()
     ### END SOLUTION
+
+
+def batch_load_balancing_loss(router_probs: torch.Tensor, expert_indices: torch.Tensor,
+                              num_experts: int, group=None) -> torch.Tensor:
+    """This rank's term of the load-balancing loss of a batch spread over ``group``'s ranks.
+
+    f_i is counted over the *whole* batch (an all-reduce of the counts: no gradient flows
+    through f), P_i over this rank's tokens: N·Σ f_i·P_i. Every rank holding as many tokens,
+    the mean of the ranks' terms is the loss of the whole batch on one process — what data,
+    context and expert parallelism need to train exactly as one process (the capstone,
+    chapter 11; Megatron-Core reduces the counts over its data-parallel ranks the same way).
+    ``group=None`` outside a process group: ``load_balancing_loss`` on these tokens.
+    """
+    if group is None and not dist.is_initialized():
+        return load_balancing_loss(router_probs, expert_indices, num_experts)
+    flat = expert_indices.reshape(-1)
+    counts = torch.bincount(flat, minlength=num_experts).to(router_probs.dtype)
+    stats = torch.cat([counts, counts.new_full((1,), flat.numel())])  # one all-reduce
+    dist.all_reduce(stats, group=group)
+    f = stats[:-1] / stats[-1]
+    return num_experts * (f * router_probs.mean(dim=0)).sum()
 
 
 def router_z_loss(router_logits: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,9 @@ notebook 08).
 A linear gate scores every token against every expert; a softmax makes the scores
 probabilities; each token picks its ``top_k`` experts (k = 1: Switch Transformer, Fedus et
 al. 2021; k = 2: GShard, Lepikhin et al. 2020) and its output is their outputs weighted by
-the chosen probabilities renormalised to sum to 1. Each expert takes at most
+the chosen probabilities renormalised to sum to 1 — except at k = 1, where Switch gates by
+the raw probability (renormalised it would be 1, and the task loss could not train the
+router). Each expert takes at most
 
     capacity = ⌈capacity_factor · k · T / E⌉     (Fedus et al. 2021, section 2.1, eq. 3)
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minitrain.moe.losses import load_balancing_loss, router_z_loss
+from minitrain.moe.losses import batch_load_balancing_loss, load_balancing_loss, router_z_loss
 
 BALANCING = ("aux_loss", "bias", "none")
 
@@ -115,10 +117,15 @@ class TopKRouter(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(num_experts))
         self.register_buffer("observed_load", torch.zeros(num_experts))
         self.aux_loss = torch.zeros(())
+        self.balance_loss = torch.zeros((), device=self.gate.weight.device)  # the last forward's N·Σ f·P, unweighted
+        # set by the capstone (chapter 11): the ranks whose tokens form one batch, over which
+        # the load-balancing loss counts f (``losses.batch_load_balancing_loss``)
+        self.token_group = None
 
     def __getstate__(self):
-        # the last forward's aux loss is part of a graph (not copyable): copies start afresh
-        return {**self.__dict__, "aux_loss": torch.zeros(())}
+        # the last forward's aux loss is part of a graph (not copyable): copies start afresh;
+        # a process group cannot be copied either (set it again on the copy)
+        return {**self.__dict__, "aux_loss": torch.zeros(()), "token_group": None}
 
     def forward(self, x: torch.Tensor) -> Routing:
         # routing in fp32 (Fedus et al. 2021, section 2.4) or wider: fp64 stays fp64
@@ -129,11 +136,24 @@ class TopKRouter(nn.Module):
                                    self.capacity_factor)
         bias = self.expert_bias if self.balancing == "bias" else None
         indices, weights, keep = top_k_routing(probs, self.top_k, capacity, bias)
+        if self.top_k == 1:
+            # Switch (Fedus et al. 2021, eq. 2: y = p_i(x)·E_i(x)) gates by the raw probability:
+            # renormalised it would be p/p = 1, a constant, and the task loss would give the
+            # router no gradient at all (only the aux loss would train it). Top-k > 1 keeps
+            # the renormalised weights (GShard; Mixtral, Jiang et al. 2024): their ratios
+            # still depend on the logits, so the task loss trains the router through them.
+            weights = probs.gather(-1, indices)
         routing = Routing(indices, weights, keep, probs, logits, capacity)
         aux = logits.new_zeros(())
-        if self.balancing == "aux_loss" and self.aux_loss_weight:
-            aux = aux + self.aux_loss_weight * load_balancing_loss(probs, indices,
-                                                                   self.num_experts)
+        if self.balancing == "aux_loss":
+            if self.token_group is None:
+                balance = load_balancing_loss(probs, indices, self.num_experts)
+            else:  # f counted over every rank's tokens (chapter 11: equal to one process)
+                balance = batch_load_balancing_loss(probs, indices, self.num_experts,
+                                                    self.token_group)
+            self.balance_loss = balance.detach()  # unweighted, for logs
+            if self.aux_loss_weight:
+                aux = aux + self.aux_loss_weight * balance
         if self.z_loss_weight:
             aux = aux + self.z_loss_weight * router_z_loss(logits)
         self.aux_loss = aux

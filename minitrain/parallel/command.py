@@ -31,7 +31,7 @@ import torch.distributed as dist
 from minitrain.data import TextData
 from minitrain.model import GPTConfig
 from minitrain.parallel.mesh import check_layout
-from minitrain.parallel.parallelize import PRECISIONS
+from minitrain.parallel.parallelize import PRECISIONS, check_moe_composition, full_layout
 from minitrain.parallel.run_checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -60,6 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     layout.add_argument("--sequence-parallel", action="store_true", help="with --tp > 1")
     layout.add_argument("--nproc", type=int, default=None,
                         help="local ranks through minitrain.runtime (default: dp·tp·pp·cp)")
+    moe = p.add_argument_group("mixture of experts (chapter 8) and expert parallelism")
+    moe.add_argument("--moe-experts", type=int, default=0,
+                     help="experts per MoE layer, in every block's MLP (0: dense MLPs)")
+    moe.add_argument("--moe-top-k", type=int, default=2, help="experts per token")
+    moe.add_argument("--moe-capacity-factor", type=float, default=None,
+                     help="expert capacity ⌈C·k·T/E⌉ (default: none, no token dropped)")
+    moe.add_argument("--ep", type=int, default=1,
+                     help="expert-parallel size: ranks of dp × cp holding different experts")
+    moe.add_argument("--moe-aux-weight", type=float, default=0.01,
+                     help="weight of Switch's load-balancing loss (log: aux_loss, unweighted)")
     train = p.add_argument_group("training")
     train.add_argument("--steps", type=int, default=50)
     train.add_argument("--batch-size", type=int, default=8, help="global batch (sequences)")
@@ -143,9 +153,12 @@ def check_schedule_and_data(parser: argparse.ArgumentParser, args: dict) -> None
 
 def config_of(args: dict) -> GPTConfig:
     vocab = args["vocab_size"] or (256 if args.get("data") else 64)
+    moe = {"moe_experts": args.get("moe_experts", 0), "moe_top_k": args.get("moe_top_k", 2),
+           "moe_capacity_factor": args.get("moe_capacity_factor"),
+           "moe_aux_weight": args.get("moe_aux_weight", 0.01)}
     return GPTConfig(vocab_size=vocab, seq_len=args["seq_len"], n_layer=args["n_layer"],
                      n_head=args["n_head"], d_model=args["d_model"],
-                     dropout=args.get("dropout", 0.0))
+                     dropout=args.get("dropout", 0.0), **moe)
 
 
 def schedule_of(args: dict) -> dict:
@@ -169,7 +182,23 @@ def schedule_identity(s: dict) -> dict:
 def layout_of(args: dict) -> dict:
     keys = ("dp", "tp", "pp", "cp", "zero", "microbatches", "schedule", "sequence_parallel",
             "precision")
-    return {k: args[k] for k in keys}
+    return {**{k: args[k] for k in keys}, "ep": args.get("ep", 1)}
+
+
+def check_moe_flags(args: dict) -> str | None:
+    """The mixture-of-experts flags' problem, as one line naming the flag (None: fine)."""
+    experts, k, c = args["moe_experts"], args["moe_top_k"], args["moe_capacity_factor"]
+    if experts < 0:
+        return f"--moe-experts {experts} must be ≥ 0"
+    if experts and not 1 <= k <= experts:
+        return f"--moe-top-k {k} must be between 1 and --moe-experts {experts}"
+    if c is not None and not c > 0:
+        return f"--moe-capacity-factor {c} must be positive"
+    try:  # (a bad model shape is reported here too: one line either way)
+        check_moe_composition(config_of(args), full_layout(layout_of(args)))
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def train_rank(args: dict) -> dict:
@@ -262,6 +291,9 @@ def main(argv=None) -> int:
     elif args["nproc"] is not None and args["nproc"] != world:
         parser.error(f"impossible layout: {layout} ranks, but --nproc is {args['nproc']}")
     check_schedule_and_data(parser, args)
+    problem = check_moe_flags(args)
+    if problem:
+        parser.error(problem)
     try:
         check_layout(config_of(args), args["dp"], args["tp"], args["pp"], args["cp"],
                      args["seq_len"], args["batch_size"], args["microbatches"])

@@ -52,13 +52,21 @@ def owns(local_numel: int, dense_numel: int, tp_rank: int, dp_rank: int,
     return tp_ok and dp_ok
 
 
-def owned_parameters(named, dense_numels: dict, tp_group, dp_group) -> OwnedGradients:
+def owned_parameters(named, dense_numels: dict, tp_group, dp_group, experts=(),
+                     expert_dp_group=None) -> OwnedGradients:
     """``named``: (name, fp32 tensor whose ``.grad`` is stepped, local numel) triples of whole
-    (not ZeRO-sharded) parameters, names as in the dense GPT."""
+    (not ZeRO-sharded) parameters, names as in the dense GPT. ``experts``: the names of
+    expert-parallel experts (chapter 8): replicated over tp and over ``expert_dp_group`` (the
+    ranks holding the same experts), different across the ep ranks — so TP rank 0 and
+    expert-data-parallel rank 0 count them."""
     tp_rank, dp_rank = dist.get_rank(tp_group), dist.get_rank(dp_group)
+    expert_rank = dist.get_rank(expert_dp_group) if experts else 0
     out = OwnedGradients()
     for name, param, numel in named:
-        out.add(param, owns(numel, dense_numels[name], tp_rank, dp_rank, dp_sharded=False))
+        if name in experts:
+            out.add(param, tp_rank == 0 and expert_rank == 0)
+        else:
+            out.add(param, owns(numel, dense_numels[name], tp_rank, dp_rank, dp_sharded=False))
     return out
 
 

@@ -14,6 +14,13 @@ the one that crosses the slowest links (it only sends one activation per micro-b
 
     rank = ((pp_i · DP + dp_i) · CP + cp_i) · TP + tp_i
 
+Expert parallelism (chapter 8; the fifth axis of the Ultra-Scale Playbook's "5-D
+parallelism") lives *inside* DP × CP, as in Megatron-Core: the ``dp_cp`` group's ranks, in
+order, are cut into groups of ``ep`` consecutive ranks that hold different experts (``"ep"``,
+the all-to-all's group), and the ranks at the same place of every such group hold the same
+experts (``"expert_dp"``, over which the experts' gradients are averaged). With ep = 1 there
+is no all-to-all and ``"expert_dp"`` is ``"dp_cp"``.
+
 Groups are built explicitly with ``dist.new_group``: ``new_group`` is collective over the
 default group, so every rank creates *every* group, in the same order, even those it is
 not a member of.
@@ -102,7 +109,7 @@ def axis_groups(axis: str, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1) -
 
 
 class DeviceMesh:
-    """``DeviceMesh(dp=1, tp=1, pp=1, cp=1)``: this rank's coordinates and its groups.
+    """``DeviceMesh(dp=1, tp=1, pp=1, cp=1, ep=1)``: this rank's coordinates and its groups.
 
     Needs the default process group (``launch`` or ``torchrun``) whose size must equal
     dp·tp·pp·cp. ``.group(axis)`` is this rank's group along "dp", "tp", "pp" or "cp"
@@ -111,9 +118,13 @@ class DeviceMesh:
     ranks of this rank's group.
     """
 
-    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1):
+    def __init__(self, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1):
         self.sizes = _sizes(dp, tp, pp, cp)
         self.dp, self.tp, self.pp, self.cp = dp, tp, pp, cp
+        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1 or (dp * cp) % ep:
+            raise ValueError(f"DeviceMesh: ep={ep!r} must be a whole number ≥ 1 dividing "
+                             f"dp × cp = {dp * cp} (the expert-parallel ranks are data-parallel)")
+        self.ep = ep
         if not dist.is_initialized():
             raise RuntimeError(
                 "DeviceMesh needs the default process group: run under minitrain.runtime or torchrun"
@@ -134,8 +145,22 @@ class DeviceMesh:
                 group = dist.new_group(ranks)
                 if me in ranks:
                     self._groups[axis], self._ranks[axis] = group, ranks
+        if ep == 1:  # the experts are replicated like every other parameter
+            self._groups["expert_dp"] = self._groups["dp_cp"]
+            self._ranks["expert_dp"] = self._ranks["dp_cp"]
+            return
+        for axis in ("ep", "expert_dp"):
+            for ranks in self._all_groups(axis):
+                group = dist.new_group(ranks)
+                if me in ranks:
+                    self._groups[axis], self._ranks[axis] = group, ranks
 
     def _all_groups(self, axis: str) -> list[list[int]]:
+        if axis in ("ep", "expert_dp"):  # inside each dp_cp group, in its rank order
+            ep, lines = self.ep, self._all_groups("dp_cp")
+            if axis == "ep":  # ep consecutive ranks: different experts
+                return [line[i:i + ep] for line in lines for i in range(0, len(line), ep)]
+            return [line[j::ep] for line in lines for j in range(ep)]  # the same experts
         if axis != "dp_cp":
             return axis_groups(axis, **{a: self.sizes[a] for a in ("dp", "tp", "pp", "cp")})
         # ranks sharing (pp, tp): DP and CP flattened, as Megatron's data-parallel-with-CP group
@@ -150,9 +175,14 @@ class DeviceMesh:
                            self.dp, self.tp, self.pp, self.cp)
 
     def group(self, axis: str):
-        """This rank's process group along ``axis`` ("dp", "tp", "pp", "cp" or "dp_cp")."""
+        """This rank's process group along ``axis`` ("dp", "tp", "pp", "cp", "dp_cp"; with
+        ep > 1 also "ep" and "expert_dp")."""
+        if axis == "ep" and self.ep == 1:
+            raise ValueError("DeviceMesh(ep=1) has no expert-parallel group: every rank holds "
+                             "every expert")
         if axis not in self._groups:
-            raise ValueError(f"unknown mesh axis {axis!r}; expected one of {[*AXES, 'dp_cp']}")
+            raise ValueError(f"unknown mesh axis {axis!r}; expected one of "
+                             f"{[*AXES, 'dp_cp', 'ep', 'expert_dp']}")
         return self._groups[axis]
 
     def ranks(self, axis: str) -> list[int]:
@@ -165,7 +195,8 @@ class DeviceMesh:
         check_layout(config, dp=self.dp, tp=self.tp, pp=self.pp, cp=self.cp)
 
     def __repr__(self):
-        return f"DeviceMesh(dp={self.dp}, tp={self.tp}, pp={self.pp}, cp={self.cp})"
+        ep = f", ep={self.ep}" if self.ep > 1 else ""
+        return f"DeviceMesh(dp={self.dp}, tp={self.tp}, pp={self.pp}, cp={self.cp}{ep})"
 
 
 def check_layout(config, dp=1, tp=1, pp=1, cp=1, seq_len=None, batch_size=None,

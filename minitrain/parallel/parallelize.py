@@ -1,4 +1,4 @@
-"""``parallelize(model, mesh, layout)``: chapters 3–7 and 10 applied to one GPT, each over its group.
+"""``parallelize(model, mesh, layout)``: chapters 3–8 and 10 applied to one GPT, each over its group.
 
 Chapter 11, notebooks/11_putting_it_together.ipynb (``ParallelGPT`` in ``trainer.py`` calls it).
 As torchtitan composes a model (``parallelize_llama``: apply TP, then AC, then data parallel),
@@ -11,10 +11,15 @@ method overwritten:
 2. ``apply_context_parallel`` (chapter 10) puts ring attention over ``mesh.group("cp")`` in every
    block (Liu et al. 2023); the shard's positions reach the GPT as an argument
    (``model(idx, positions=...)``), which the trainer passes on every forward;
-3. ``apply_pipeline`` (chapter 7) keeps this ``pp`` coordinate's share of the blocks;
+3. ``apply_expert_parallel`` (chapter 8) spreads each MoE layer's experts over ``mesh.group("ep")``
+   (GShard, Lepikhin et al. 2020) and makes every router count its load over the whole
+   batch (``mesh.group("dp_cp")``), so the balancing loss is one process's;
+4. ``apply_pipeline`` (chapter 7) keeps this ``pp`` coordinate's share of the blocks;
    full recomputation (chapter 3) is applied per stage chunk, or to the whole model;
-4. ``apply_data_parallel`` (chapters 4–5) averages gradients over ``mesh.group("dp_cp")``
+5. ``apply_data_parallel`` (chapters 4–5) averages gradients over ``mesh.group("dp_cp")``
    (DDP) or shards optimizer state, gradients, parameters (ZeRO 1–3, Rajbhandari et al. 2020);
+   an expert-parallel rank's own experts are left out of it and averaged over
+   ``mesh.group("expert_dp")`` instead (``ExpertGradients``);
    with ``precision`` bf16/fp16 it computes in that dtype on fp32 masters (chapter 2's
    ``MasterWeightOptimizer``, or chapter 5's ``ZeroDataParallel(compute_dtype=)``), and
    ``apply_precision`` computes the loss in fp32 (fp16: times chapter 2's loss scale).
@@ -34,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from minitrain import moe
 from minitrain.checkpointing import set_checkpointing
 from minitrain.context_parallel import ContextParallelGPT
 from minitrain.ddp import DataParallel
@@ -66,15 +72,17 @@ class Parallelized:
     scaler: DynamicLossScaler | None = None  # fp16: the loss is scaled by it (loss_fn does)
     dense_numels: dict | None = None  # name -> elements in the dense GPT (a smaller one: TP split)
     tp_group: ProcessGroup | None = None
+    experts: ExpertGradients | None = None  # expert parallelism's own gradient averaging
 
 
 def full_layout(layout: dict) -> dict:
     """The layout with every key: dp, tp, pp, cp (1), zero (0), microbatches (1), schedule
     ("1f1b"), sequence_parallel (False), checkpointing ("none" or "full": every block
     recomputed, chapter 3), optimizer ("adamw" or "sgd"), precision ("fp32", "bf16" or
-    "fp16": the compute dtype; masters and optimizer state stay fp32). A planner ``Layout``'s fields are
-    these keys (``minitrain.parallel.layout_dict``)."""
-    out = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "zero": 0, "microbatches": 1,
+    "fp16": the compute dtype; masters and optimizer state stay fp32), ep (1: the
+    expert-parallel size, inside dp × cp). A planner ``Layout``'s fields are these keys
+    (``minitrain.parallel.layout_dict``)."""
+    out = {"dp": 1, "tp": 1, "pp": 1, "cp": 1, "ep": 1, "zero": 0, "microbatches": 1,
            "schedule": "1f1b", "sequence_parallel": False, "checkpointing": "none",
            "optimizer": "adamw", "precision": "fp32"}
     unknown = set(layout) - set(out)
@@ -103,11 +111,78 @@ def check_composition(config, lo: dict) -> None:
         raise ValueError(f"sequence parallelism cuts each rank's {config.seq_len // lo['cp']} "
                          f"positions (seq_len {config.seq_len} / cp {lo['cp']}) over "
                          f"tp={lo['tp']} ranks: they must divide evenly")
+    check_moe_composition(config, lo)
     if lo["pp"] > 1 and lo["zero"] > 1:
         raise ValueError(
             f"zero={lo['zero']} with pp={lo['pp']}: ZeRO-2/3 shard gradients and parameters "
             "that every micro-batch of a pipeline needs again (Megatron-LM and DeepSpeed do "
             "not combine them either); use --zero 0 or 1 with a pipeline")
+
+
+def check_moe_composition(config, lo: dict) -> None:
+    """Mixture of experts and expert parallelism: what they need, and what is refused."""
+    ep, experts = lo["ep"], getattr(config, "moe_experts", 0)
+    if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+        raise ValueError(f"--ep {ep!r} must be a whole number ≥ 1")
+    if ep > 1 and not experts:
+        raise ValueError(f"--ep {ep} needs experts to spread: set --moe-experts")
+    if (lo["dp"] * lo["cp"]) % ep:
+        raise ValueError(f"--ep {ep} does not divide dp × cp = {lo['dp'] * lo['cp']}")
+    if experts and experts % ep:
+        raise ValueError(f"--moe-experts {experts} is not divisible by --ep {ep}")
+    if not experts:
+        return
+    for flag, on in (("--pp", lo["pp"] > 1), ("--sequence-parallel", lo["sequence_parallel"])):
+        if on:  # one line naming the flags: not built (yet), rather than built wrong
+            raise ValueError(f"--moe-experts with {flag}: not supported (mixture of experts "
+                             "composes with --dp, --tp, --cp, --zero and --ep)")
+    if ep > 1 and lo["zero"]:  # ZeRO would shard different ranks' experts as one tensor
+        raise ValueError(f"--ep {ep} with --zero {lo['zero']}: not supported (ZeRO shards "
+                         "over dp × cp, where expert-parallel ranks hold different experts); "
+                         "use --zero 0 with --ep")
+
+
+class ExpertGradients:
+    """Expert parallelism's gradient rule (chapter 8 over the mesh's groups).
+
+    An expert's gradient arrives through the all-to-all's backward as the *sum* over the ep
+    ranks whose tokens it served; the ranks holding the same experts (``expert_dp``) each
+    have such a sum. The gradient of the mean loss over dp × cp ranks is then their sum over
+    ``expert_dp`` divided by dp × cp: one flat all-reduce after backward. Data parallelism
+    leaves these parameters alone (``DataParallel(ignored_params=...)``)."""
+
+    def __init__(self, params: list, group: ProcessGroup | None, replicas: int):
+        self.params, self.group, self.replicas = params, group, replicas
+
+    @torch.no_grad()
+    def average(self) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        flat /= self.replicas
+        offset = 0
+        for p, g in zip(self.params, grads):
+            p.grad = flat[offset:offset + g.numel()].view_as(p).clone()
+            offset += g.numel()
+
+
+def apply_expert_parallel(model: GPT, mesh: DeviceMesh, ep: int) -> ExpertGradients | None:
+    """Chapter 8 over the mesh: every router counts its load over ``dp_cp`` (the batch's
+    ranks); with ep > 1, chapter 8's ``apply_expert_parallel`` keeps this rank's share of
+    each layer's experts, exchanging tokens over ``mesh.group("ep")``. Under TP each TP rank
+    routes the same tokens to the same experts (the experts are replicated over tp). Returns
+    the experts' gradient rule (None with ep = 1: they are replicated like the rest)."""
+    if ep > 1:
+        moe.apply_expert_parallel(model, mesh.group("ep"))
+    layers = moe.moe_layers(model)
+    dp_cp = mesh.group("dp_cp")
+    if dist.get_world_size(dp_cp) > 1:
+        for layer in layers:
+            layer.router.token_group = dp_cp
+    if ep == 1:
+        return None
+    params = [p for layer in layers for p in layer.experts.parameters()]
+    return ExpertGradients(params, mesh.group("expert_dp"), dist.get_world_size(dp_cp))
 
 
 def apply_context_parallel(model: GPT, group: ProcessGroup | None,
@@ -126,12 +201,14 @@ def apply_pipeline(model: GPT, group: ProcessGroup | None, checkpointing=None) -
 
 
 def apply_data_parallel(model: GPT, group: ProcessGroup | None, zero: int, optimizer_cls,
-                        lr: float, stage: PipelineStage | None = None, compute_dtype=None):
+                        lr: float, stage: PipelineStage | None = None, compute_dtype=None,
+                        ignored_params=()):
     """Chapters 4–5 over ``group`` (the mesh's ``dp_cp``); returns (what a step calls, the
     optimizer). Under a pipeline the stage averages gradients itself, once per step
     (``train_step(dp_group=...)``), and ZeRO-1 shards the optimizer state; without one, DDP
     (``zero=0``, nothing to do on one replica) or ``ZeroDataParallel`` (stages 1–3, an
-    optimizer of its own). ``compute_dtype`` (bf16/fp16): the model computes in it and the
+    optimizer of its own). ``ignored_params`` (expert parallelism's experts) are left out of
+    DDP's averaging. ``compute_dtype`` (bf16/fp16): the model computes in it and the
     optimizer steps fp32 masters — ``ZeroDataParallel(compute_dtype=)`` shards them; otherwise
     chapter 2's ``MasterWeightOptimizer`` (on the DDP wrapper, so masters get the average;
     under a pipeline the trainer averages the masters' fp32 gradients)."""
@@ -150,7 +227,7 @@ def apply_data_parallel(model: GPT, group: ProcessGroup | None, zero: int, optim
         module.to(compute_dtype)
     wrapped = module
     if stage is None and dist.get_world_size(group) > 1:
-        wrapped = DataParallel(model, group=group)
+        wrapped = DataParallel(model, group=group, ignored_params=ignored_params)
     if compute_dtype is None:
         return wrapped, make([p for p in module.parameters() if p.requires_grad], lr=lr)
     optimizer = MasterWeightOptimizer(wrapped, make, lr=lr)
@@ -194,6 +271,7 @@ def parallelize(model: GPT, mesh: DeviceMesh, layout: dict, lr: float = 1e-3,
         # this rank holds a vocabulary slice of the logits
         loss_fn = functools.partial(vocab_parallel_cross_entropy, group=tp_group)
     context = apply_context_parallel(model, mesh.group("cp")) if lo["cp"] > 1 else None
+    experts = apply_expert_parallel(model, mesh, lo["ep"]) if config.moe_experts else None
     recompute = "full" if lo["checkpointing"] == "full" else None
     stage = apply_pipeline(model, mesh.group("pp"), recompute) if lo["pp"] > 1 else None
     if recompute and stage is None:  # chapter 3: every block recomputed in backward
@@ -201,7 +279,8 @@ def parallelize(model: GPT, mesh: DeviceMesh, layout: dict, lr: float = 1e-3,
     loss_fn, scaler = apply_precision(model, loss_fn, lo["precision"])
     wrapped, optimizer = apply_data_parallel(model, dp_group, lo["zero"],
                                              OPTIMIZERS[lo["optimizer"]], lr, stage,
-                                             PRECISIONS[lo["precision"]])
+                                             PRECISIONS[lo["precision"]],
+                                             experts.params if experts else ())
     return Parallelized(model, wrapped, optimizer, loss_fn, dp_group,
                         dist.get_world_size(dp_group), stage, context, scaler, dense_numels,
-                        tp_group)
+                        tp_group, experts)

@@ -16,7 +16,12 @@ ranks the rest by time. Each fact comes from its chapter's public function:
 - communication time from chapter 4's α–β ring model (``cost_model.predict_all_reduce``),
   with intra-node bandwidth for a group that fits in a node and inter-node otherwise;
 - compute: 6N + 12Lhs FLOPs per token (chapter 1, ``step.flops_per_token``; + one
-  forward, 4/3, with full recomputation) at an assumed MFU.
+  forward, 4/3, with full recomputation) at an assumed MFU;
+- mixture of experts (chapter 8): each rank holds E/ep experts per layer (replicated over
+  tp), a token runs k of them, and expert parallelism's four all-to-alls per layer and
+  micro-batch move ``moe.measure.all_to_all_bytes_formula`` bytes each;
+- precision: "fp32", or "bf16" / "fp16" / "mixed" (low-precision compute, fp32 masters:
+  chapter 2's recipe, ``minitrain.memory``'s bytes per parameter).
 
 The model is the course's GPT (``GPTConfig``): for another architecture pass a GPTConfig with
 the same width, depth, heads, vocabulary and an MLP width ``d_ff`` giving the same parameters.
@@ -28,12 +33,21 @@ from dataclasses import asdict, dataclass
 
 from minitrain.collectives.cost_model import predict_all_reduce
 from minitrain.model import GPTConfig
+from minitrain.moe.measure import all_to_all_bytes_formula
 from minitrain.pipeline import split_blocks
 from minitrain.step import flops_per_token
 from minitrain.tensor_parallel.measure import layer_activation_bytes
 from minitrain.zero import memory_formula
 
-BYTES_PER_ELEMENT = {"fp32": 4, "mixed": 2}  # activations and messages
+BYTES_PER_ELEMENT = {"fp32": 4, "mixed": 2, "bf16": 2, "fp16": 2}  # activations, messages
+
+
+def recipe(precision: str) -> str:
+    """The memory recipe of a ``--precision``: fp32, or mixed (bf16/fp16 + fp32 masters)."""
+    if precision not in BYTES_PER_ELEMENT:
+        raise ValueError(f"precision must be one of {sorted(BYTES_PER_ELEMENT)}, got "
+                         f"{precision!r}")
+    return "fp32" if precision == "fp32" else "mixed"
 
 
 @dataclass(frozen=True)
@@ -61,11 +75,13 @@ class Layout:
     microbatches: int = 1  # per step; with pp = 1, gradient-accumulation steps
     schedule: str = "1f1b"
     sequence_parallel: bool = False
+    ep: int = 1  # expert parallelism, inside dp × cp (chapter 8)
 
     def __str__(self):
         sp = "+SP" if self.sequence_parallel else ""
         ck = ", recompute" if self.checkpointing == "full" else ""
-        return (f"DP{self.dp}×TP{self.tp}{sp}×PP{self.pp}×CP{self.cp}, ZeRO-{self.zero}, "
+        ep = f"×EP{self.ep}" if self.ep > 1 else ""
+        return (f"DP{self.dp}×TP{self.tp}{sp}×PP{self.pp}×CP{self.cp}{ep}, ZeRO-{self.zero}, "
                 f"m={self.microbatches} {self.schedule}{ck}")
 
 
@@ -95,6 +111,20 @@ def params_per_rank(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0)
     ### END SOLUTION
 
 
+def moe_params_per_rank(config: GPTConfig, layout: Layout, stage: int = 0) -> tuple[int, int]:
+    """(parameters replicated over dp × cp, expert parameters) one rank of ``stage`` holds:
+    with experts, each block's MLP becomes a router (h·E, replicated) and E/ep experts of
+    the dense MLP's shape, whole on every TP rank (chapter 11's choice)."""
+    n = params_per_rank(config, layout.tp, layout.pp, stage)
+    if not config.moe_experts:
+        return n, 0
+    h, f, t, b = config.d_model, config.d_ff, layout.tp, 1 if config.bias else 0
+    layers = len(split_blocks(config.n_layer, layout.pp)[stage])
+    mlp = 2 * h * f + b * (f + h)
+    n += layers * (h * config.moe_experts - (2 * h * f // t + b * (f // t + h)))
+    return n, layers * (config.moe_experts // layout.ep) * mlp
+
+
 def in_flight(layout: Layout, stage: int) -> int:
     """Micro-batches whose activations a stage holds at once (chapter 7): GPipe all m,
     1F1B at most p - stage; without a pipeline one (accumulation frees each)."""
@@ -108,13 +138,15 @@ def in_flight(layout: Layout, stage: int) -> int:
 def activation_bytes(config: GPTConfig, layout: Layout, seq_len: int, global_batch: int,
                      stage: int = 0, precision: str = "fp32") -> int:
     """Bytes one rank of ``stage`` saves for backward at its peak (no dropout)."""
-    lo, e = layout, BYTES_PER_ELEMENT[precision]
+    lo, e = layout, BYTES_PER_ELEMENT[recipe(precision)]
     mb = global_batch // (lo.dp * lo.microbatches)
     s = seq_len // lo.cp  # context parallelism: each rank holds s / cp positions
     args = dict(batch=mb, seq_len=s, d_model=config.d_model, n_head=config.n_head,
                 d_ff=config.d_ff, vocab_size=config.vocab_size, tp_size=lo.tp,
                 sequence_parallel=lo.sequence_parallel, bytes_per_element=e)
-    block = layer_activation_bytes("attention", **args) + layer_activation_bytes("mlp", **args)
+    # an MoE layer keeps k experts' MLP activations per token (routing's few bytes left out)
+    k = config.moe_top_k if config.moe_experts else 1
+    block = layer_activation_bytes("attention", **args) + k * layer_activation_bytes("mlp", **args)
     layers = len(split_blocks(config.n_layer, lo.pp)[stage])
     if lo.checkpointing == "full":  # one block input per layer; one block live in backward
         kept = mb * s * config.d_model * e // (lo.tp if lo.sequence_parallel else 1)
@@ -141,9 +173,13 @@ def memory_per_device(config: GPTConfig, layout: Layout, seq_len: int, global_ba
     # the first stage holds the embedding, the most blocks and (1F1B) the most micro-batches;
     # the last the head and loss: one of the two is the fullest
     for stage in sorted({0, layout.pp - 1}):
-        n = params_per_rank(config, layout.tp, layout.pp, stage)
-        states = memory_formula(n, layout.dp * layout.cp, layout.zero, precision)
-        mem = {k: states[k] for k in ("params", "grads", "optimizer")}
+        n, experts = moe_params_per_rank(config, layout, stage)
+        replicas = layout.dp * layout.cp
+        states = memory_formula(n, replicas, layout.zero, recipe(precision))
+        # the experts' replicas are the expert-data-parallel ranks (dp × cp / ep)
+        expert_states = memory_formula(experts, replicas // layout.ep, layout.zero,
+                                       recipe(precision))
+        mem = {k: states[k] + expert_states[k] for k in ("params", "grads", "optimizer")}
         mem["activations"] = activation_bytes(config, layout, seq_len, global_batch, stage,
                                               precision)
         mem["total"] = sum(mem.values())
@@ -163,10 +199,14 @@ def step_time(config: GPTConfig, layout: Layout, seq_len: int, global_batch: int
               cluster: Cluster, precision: str = "mixed") -> dict:
     """Predicted seconds per step: compute at ``cluster.mfu``, the pipeline bubble, and each
     group's communication (not overlapped: an upper bound)."""
-    lo, c, e = layout, cluster, BYTES_PER_ELEMENT[precision]
+    lo, c, e = layout, cluster, BYTES_PER_ELEMENT[recipe(precision)]
     a, h = c.alpha, config.d_model
     recompute = 4 / 3 if lo.checkpointing == "full" else 1.0
-    flops = flops_per_token(config, seq_len) * global_batch * seq_len * recompute
+    per_token = flops_per_token(config, seq_len)
+    if config.moe_experts:  # k experts of the MLP's size, and the router, per token
+        mlp = 2 * h * config.d_ff
+        per_token += 6 * config.n_layer * ((config.moe_top_k - 1) * mlp + h * config.moe_experts)
+    flops = per_token * global_batch * seq_len * recompute
     out = {"compute": flops / (c.devices * c.peak_flops * c.mfu)}
     out["bubble"] = out["compute"] * (lo.pp - 1) / lo.microbatches
     mb = global_batch // (lo.dp * lo.microbatches)
@@ -183,10 +223,21 @@ def step_time(config: GPTConfig, layout: Layout, seq_len: int, global_batch: int
     # PP: per micro-batch an activation forward and a gradient backward
     beta_pp = 1 / _bandwidth(c, lo.tp * lo.cp * lo.dp, lo.pp)
     out["pp"] = 2 * lo.microbatches * (a + act * beta_pp) if lo.pp > 1 else 0.0
-    grads = max(params_per_rank(config, lo.tp, lo.pp, s) for s in range(lo.pp)) * e
+    # EP: dispatch and combine forward, the same two backward, per MoE layer and micro-batch
+    tokens = mb * (seq_len // lo.cp)
+    beta_ep = 1 / _bandwidth(c, lo.tp, lo.ep)
+    sent = all_to_all_bytes_formula(tokens, config.moe_top_k, h, e, lo.ep)
+    out["ep"] = (4 * layers * lo.microbatches * (a + sent * beta_ep)
+                 if config.moe_experts and lo.ep > 1 else 0.0)
+    shares = [moe_params_per_rank(config, lo, s) for s in range(lo.pp)]
+    grads, expert_grads = (max(n for n, _ in shares) * e, max(x for _, x in shares) * e)
     beta_dp = 1 / _bandwidth(c, lo.tp, lo.cp * lo.dp)
+    edp = lo.dp * lo.cp // lo.ep  # the experts' replicas, ep · tp ranks apart
+    beta_edp = 1 / _bandwidth(c, lo.tp * lo.ep, edp)
     volume = 1.5 if lo.zero == 3 else 1.0  # ZeRO §7: 3Ψ instead of 2Ψ
     out["dp"] = volume * predict_all_reduce("ring", grads, lo.dp * lo.cp, a, beta_dp)
+    if expert_grads:  # expert parallelism's own all-reduce, over the expert-data-parallel ranks
+        out["dp"] += volume * predict_all_reduce("ring", expert_grads, edp, a, beta_edp)
     out["total"] = sum(out.values())
     return out
 
@@ -212,7 +263,7 @@ def enumerate_layouts(config: GPTConfig, seq_len: int, global_batch: int, device
             for cp in _divisors(devices // (tp * pp), max_cp):
                 if seq_len % (2 * cp if cp > 1 else 1):
                     continue
-                sp = tp > 1 and (seq_len // cp) % tp == 0
+                sp = tp > 1 and (seq_len // cp) % tp == 0 and not config.moe_experts
                 dp = devices // (tp * pp * cp)
                 if global_batch % dp:
                     continue
@@ -223,8 +274,19 @@ def enumerate_layouts(config: GPTConfig, seq_len: int, global_batch: int, device
                         if zero > 1 and pp > 1:  # not combined (see parallelize.check_composition)
                             continue
                         for ck in checkpointing:
-                            out.append(Layout(dp, tp, pp, cp, zero, ck, m, "1f1b", sp))
+                            out += [Layout(dp, tp, pp, cp, zero, ck, m, "1f1b", sp, ep)
+                                    for ep in _expert_parallel_sizes(config, dp * cp, pp, zero)]
     return out
+
+
+def _expert_parallel_sizes(config: GPTConfig, replicas: int, pp: int, zero: int) -> list[int]:
+    """ep sizes dividing dp × cp and the experts; MoE runs with pp = 1, ep > 1 with ZeRO-0
+    (and no SP; ``parallelize.check_moe_composition``), a dense model with ep = 1."""
+    if not config.moe_experts or zero > 0:
+        return [] if pp > 1 and config.moe_experts else [1]
+    if pp > 1:
+        return []
+    return [ep for ep in _divisors(replicas, replicas) if config.moe_experts % ep == 0]
 
 
 def plan(config: GPTConfig, seq_len: int, global_batch: int, cluster: Cluster,

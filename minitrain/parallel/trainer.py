@@ -28,6 +28,7 @@ import torch.distributed as dist
 from minitrain.data import MarkovChainData, get_batch
 from minitrain.ddp import DataParallel
 from minitrain.model import GPT, GPTConfig
+from minitrain.moe import moe_layers, set_aux_loss_scale
 from minitrain.parallel.evaluation import held_out_loss, set_optimizer_lr
 from minitrain.parallel.grad_norm import GradientStep, owned_parameters, owned_zero_shards
 from minitrain.parallel.mesh import DeviceMesh, check_layout
@@ -81,7 +82,8 @@ class ParallelGPT:
         check_layout(config, lo["dp"], lo["tp"], lo["pp"], lo["cp"], config.seq_len,
                      batch_size, lo["microbatches"])
         check_composition(config, lo)  # refused before any group is built
-        self.mesh = mesh or DeviceMesh(dp=lo["dp"], tp=lo["tp"], pp=lo["pp"], cp=lo["cp"])
+        self.mesh = mesh or DeviceMesh(dp=lo["dp"], tp=lo["tp"], pp=lo["pp"], cp=lo["cp"],
+                                       ep=lo["ep"])
         torch.manual_seed(seed)  # the same dense model on every rank
         with torch.device("cpu"):  # initialised on the CPU (the same numbers on every device)
             dense = GPT(config)
@@ -91,7 +93,9 @@ class ParallelGPT:
         self.stage, self.context, self.loss_fn = parts.stage, parts.context, parts.loss_fn
         self.dp_group, self.replicas, self.scaler = parts.dp_group, parts.replicas, parts.scaler
         self.masters = isinstance(self.optimizer, MasterWeightOptimizer)
-        self.last_metrics: dict = {}
+        self.last_metrics: dict = {}  # this step's extra log fields, merged by the command
+        self.experts = parts.experts  # expert parallelism's gradient averaging, or None
+        self.moe_layers = moe_layers(self.model)
         if isinstance(self.wrapped, ZeroDataParallel):  # it steps its inner optimizer itself
             grads = owned_zero_shards(self.wrapped.live_units(), self.wrapped.rank,
                                       parts.dense_numels, parts.tp_group)
@@ -109,7 +113,11 @@ class ParallelGPT:
         else:
             pairs = ((p, p) for g in self.optimizer.param_groups for p in g["params"])
         named = [(name_of[id(p)], stepped, p.numel()) for p, stepped in pairs]
-        return owned_parameters(named, parts.dense_numels, parts.tp_group, self.dp_group)
+        if parts.experts is None:
+            return owned_parameters(named, parts.dense_numels, parts.tp_group, self.dp_group)
+        experts = {name_of[id(p)] for p in parts.experts.params}
+        return owned_parameters(named, parts.dense_numels, parts.tp_group, self.dp_group,
+                                experts, parts.experts.group)
 
     def local_batch(self, step: int, held_out: bool = False):
         """This data-parallel rank's rows of the global batch of ``step`` (of the held-out
@@ -139,6 +147,8 @@ class ParallelGPT:
                 average_gradients(self.optimizer.master_params, dp)
         else:
             total = 0.0
+            aux = torch.zeros((), device=x.device)  # the routers' balancing losses, for the log
+            set_aux_loss_scale(self.model, 1.0 / m)  # chapter 8: the aux loss in backward, 1/M
             chunks = list(zip(x.chunk(m), y.chunk(m)))
             for i, (xi, yi) in enumerate(chunks):
                 # gradient accumulation: only the last micro-batch's backward synchronises
@@ -149,11 +159,17 @@ class ParallelGPT:
                     loss = self.loss_fn(self.wrapped(xi, positions=pos), yi) / m
                     loss.backward()
                 total += loss.detach().float()
+                for layer in self.moe_layers:  # Switch's N·Σ f·P of this micro-batch, unweighted
+                    aux = aux + layer.router.balance_loss.float() / m
+            if self.experts is not None:  # the experts' gradients over expert_dp (chapter 8)
+                self.experts.average()
         if isinstance(self.wrapped, ZeroDataParallel):
             self.optimizer.step()  # the pre-hook unscales, agrees, measures and clips
         else:
             self.gradient_step.step(self.optimizer)
         self.last_metrics = dict(self.gradient_step.metrics)
+        if self.moe_layers:  # the global mean, the same number on every rank
+            self.last_metrics["aux_loss"] = self.reduce_loss(aux)
         return self.reduce_loss(total) / scale
 
     def set_lr(self, lr: float) -> None:

@@ -205,6 +205,8 @@ def apply_tensor_parallel(model: GPT, group: ProcessGroup | None = None,
         if sp_only and not sp:
             continue
         for parent, name in modules_at(model, path):
+            if not hasattr(parent, name):  # a mixture of experts in place of the MLP
+                continue  # (chapter 8) stays whole on every TP rank (chapter 11)
             setattr(parent, name, STYLES[style](getattr(parent, name), context))
     if config.tie_weights:  # both hold rows r*v/t .. of the same matrix: share them again
         model.head.weight = model.tok_emb.weight
