@@ -976,6 +976,14 @@ MUTATIONS = [
         "set_aux_loss_scale(self.model, 1.0)",
         ["tests/test_train_moe.py::test_moe_layouts_equal_one_process[dp2-ep2-microbatches2-sgd]"],
     ),
+    # issue 28 (merge): expert-parallel experts in the global gradient norm
+    Mutation(
+        "issue 28: expert-parallel experts counted on every expert-data-parallel rank in the norm",
+        "minitrain/parallel/grad_norm.py",
+        "            out.add(param, tp_rank == 0 and expert_rank == 0)\n",
+        "            out.add(param, tp_rank == 0)\n",
+        ["tests/test_train_moe.py::test_moe_layouts_equal_one_process"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

@@ -29,7 +29,7 @@ LAYOUTS = {  # world size -> layouts run in that launch
 }
 
 
-def reference(optimizer: str, dp: int = 1, m: int = 1) -> tuple[list[float], list[float]]:
+def reference(optimizer: str, dp: int = 1, m: int = 1):
     """One process: losses and the summed (unweighted) Switch losses of each step. With M
     micro-batches, micro-batch i holds the i-th slice of every data-parallel rank's rows, and
     the objective is the mean of the micro-batches' (loss + α · Switch loss)."""
@@ -38,7 +38,7 @@ def reference(optimizer: str, dp: int = 1, m: int = 1) -> tuple[list[float], lis
     for layer in moe_layers(model):  # the aux loss added to the loss by hand below
         layer.aux_loss_in_backward = False
     opt = OPTIMIZERS[optimizer](model.parameters(), lr=LRS[optimizer])
-    losses, auxes = [], []
+    losses, auxes, norms = [], [], []
     for step in range(STEPS):
         x, y = get_batch(step, BATCH, vocab_size=CFG.vocab_size, seq_len=CFG.seq_len, seed=SEED)
         opt.zero_grad()
@@ -50,10 +50,12 @@ def reference(optimizer: str, dp: int = 1, m: int = 1) -> tuple[list[float], lis
             aux = sum(layer.router.aux_loss for layer in moe_layers(model))
             ((lm + aux) / m).backward()
             lm_sum, aux_sum = lm_sum + lm.item() / m, aux_sum + aux.item() / m
+        # torch's own global norm (no clipping: the bound is infinite)
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item())
         opt.step()
         losses.append(lm_sum)
         auxes.append(aux_sum / CFG.moe_aux_weight)
-    return losses, auxes
+    return losses, auxes, norms
 
 
 def _run_layouts(world):
@@ -62,14 +64,15 @@ def _run_layouts(world):
         for optimizer in LRS:
             job = ParallelGPT(CFG, {**layout, "optimizer": optimizer}, BATCH, LRS[optimizer],
                               SEED)
-            losses, auxes = [], []
+            losses, auxes, norms = [], [], []
             for step in range(STEPS):
                 losses.append(job.step(step))
                 auxes.append(job.last_metrics["aux_loss"])
+                norms.append(job.last_metrics["grad_norm"])
             key = (tuple(sorted(layout.items())), optimizer)
             ep = job.mesh.ranks("ep") if job.mesh.ep > 1 else None
             out[key] = (losses, auxes, ep, job.mesh.ranks("expert_dp"),
-                        sum(p.numel() for p in job.model.parameters()))
+                        sum(p.numel() for p in job.model.parameters()), norms)
     return out
 
 
@@ -102,11 +105,13 @@ def runs():
                          ids=lambda lo: "-".join(f"{k}{v}" for k, v in lo.items()))
 def test_moe_layouts_equal_one_process(runs, layout, optimizer):
     results, refs = runs
-    ref_losses, ref_aux = refs[optimizer, layout.get("microbatches", 1)]
+    ref_losses, ref_aux, ref_norms = refs[optimizer, layout.get("microbatches", 1)]
     per_rank = results[(tuple(sorted(layout.items())), optimizer)]
-    for rank, (losses, auxes, *_) in per_rank.items():
+    for rank, (losses, auxes, *_, norms) in per_rank.items():
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (rank, losses, ref_losses)
         assert max(abs(a - b) for a, b in zip(auxes, ref_aux)) < 1e-5, (rank, auxes, ref_aux)
+        # the global gradient norm: every expert counted once (not per TP or expert-DP replica)
+        assert norms == pytest.approx(ref_norms, rel=1e-4), (rank, norms, ref_norms)
     assert len({tuple(v[0]) for v in per_rank.values()}) == 1  # the same on every rank
 
 
