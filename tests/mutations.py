@@ -811,6 +811,29 @@ MUTATIONS = [
         "class ZeroDataParallel(OrderedGathers.__base__):",
         ["tests/test_sharded_units.py::test_container_models_match_one_process[3]"],
     ),
+    # issue 33: performance (auto all-reduce, pipelined ring, FlashAttention tiles)
+    Mutation(
+        "pipelined ring forgets this rank's own contribution",
+        "minitrain/collectives/pipelined.py",
+        "torch.add(own, got, out=own)",
+        "own.copy_(got)",
+        ["tests/test_allreduce_auto.py::test_pipelined_ring_and_auto_equal_gloo"],
+    ),
+    Mutation(
+        "auto: ranks keep their own alpha and beta (no agreement, ranks may pick different algorithms)",
+        "minitrain/collectives/auto.py",
+        "    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)\n",
+        "",
+        ["tests/test_allreduce_auto.py::test_pipelined_ring_and_auto_equal_gloo"],
+    ),
+    Mutation(
+        "auto: the model's most expensive algorithm is chosen",
+        "minitrain/collectives/auto.py",
+        "    return min(\n        CANDIDATES,",
+        "    return max(\n        CANDIDATES,",
+        ["tests/test_allreduce_auto.py::test_choose_algorithm_is_the_cheapest_by_the_formulas",
+         "tests/test_allreduce_auto.py::test_choose_algorithm_crossover_at_world_4"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one
