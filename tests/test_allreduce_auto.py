@@ -100,3 +100,28 @@ def test_pipelined_ring_and_auto_equal_gloo(world):
         assert measured == 1, "α and β must be measured once per group, then kept"
         assert same, "the ranks must agree on α and β, or they pick different algorithms"
         assert ok_own
+
+
+def _ddp_auto_rank():
+    from minitrain.ddp import DataParallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 300), torch.nn.Tanh(), torch.nn.Linear(300, 4))
+    ddp = DataParallel(model, bucket_cap_mb=0.01, communication="auto")  # small and larger buckets
+    torch.manual_seed(1 + dist.get_rank())
+    x = torch.randn(8, 16, device="cpu")
+    ddp(x).square().sum().backward()
+    local = [p.grad.clone() for p in torch.nn.Sequential(*model).parameters()]
+    model.zero_grad(set_to_none=True)
+    model(x).square().sum().backward()  # the same gradients without DataParallel
+    worst = 0.0
+    for got, p in zip(local, model.parameters()):
+        expected = p.grad.clone()
+        dist.all_reduce(expected)  # torch's own all-reduce, averaged
+        worst = max(worst, (got - expected / dist.get_world_size()).abs().max().item())
+    return worst
+
+
+def test_data_parallel_auto_matches_torch_all_reduce():
+    for worst in launch(_ddp_auto_rank, 2, timeout=120):
+        assert worst < 1e-5
