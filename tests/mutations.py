@@ -820,9 +820,9 @@ MUTATIONS = [
         ["tests/test_allreduce_auto.py::test_pipelined_ring_and_auto_equal_gloo"],
     ),
     Mutation(
-        "auto: ranks keep their own alpha and beta (no agreement, ranks may pick different algorithms)",
+        "auto: each rank fits alpha and beta to its own times (ranks may pick different algorithms)",
         "minitrain/collectives/auto.py",
-        "    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)\n",
+        "    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)\n",
         "",
         ["tests/test_allreduce_auto.py::test_pipelined_ring_and_auto_equal_gloo"],
     ),
@@ -833,6 +833,27 @@ MUTATIONS = [
         "    return max(\n        CANDIDATES,",
         ["tests/test_allreduce_auto.py::test_choose_algorithm_is_the_cheapest_by_the_formulas",
          "tests/test_allreduce_auto.py::test_choose_algorithm_crossover_at_world_4"],
+    ),
+    Mutation(
+        "fused FlashAttention forward: the accumulator is not rescaled when the max grows",
+        "minitrain/flash_attention/fused_tiles.py",
+        "acc.mul_(alpha[..., None]).baddbmm_(s, v3[:, j0:j1])",
+        "acc.baddbmm_(s, v3[:, j0:j1])",
+        ["tests/test_perf_flash.py::test_fused_tiles_match_sdpa_forward_and_backward"],
+    ),
+    Mutation(
+        "fused FlashAttention backward: the causal mask is not applied to P",
+        "minitrain/flash_attention/fused_tiles.py",
+        "                p.view(bt, g, i1 - i0, j1 - j0).masked_fill_(mask, 0.0)\n",
+        "",
+        ["tests/test_perf_flash.py::test_fused_tiles_match_sdpa_forward_and_backward"],
+    ),
+    Mutation(
+        "fp32 attention silently takes the slow readable tiles",
+        "minitrain/flash_attention/tiles.py",
+        "    return all(t.dtype == acc_dtype for t in tensors)",
+        "    return False",
+        ["tests/test_perf_flash.py::test_fp32_runs_the_fused_tiles_and_bf16_the_readable_ones"],
     ),
 ]
 

@@ -13,9 +13,10 @@ the learner fitted is what runs.
 
 α and β are measured once per process group and kept (``LinkCost``, ``LinkCostCache``):
 
-* the measurement is a collective (every rank of the group runs a few ring steps, then the
-  ranks agree on the slowest α and β with one all-reduce), so every rank computes the same
-  choice for the same message — ranks that picked different algorithms would deadlock;
+* the measurement is a collective (every rank of the group runs a few ring steps and keeps
+  the slowest rank's time of each, agreed by an all-reduce), so every rank fits the same α
+  and β and computes the same choice for the same message — ranks that picked different
+  algorithms would deadlock;
 * where it is kept is explicit (our choice, recorded in docs/design.md): ``all_reduce``
   takes ``link=`` — a ``LinkCost`` you measured or made up (no measurement then), or a
   ``LinkCostCache`` you own; without it the process's ``LINK_COSTS`` cache is used, keyed by
@@ -87,11 +88,10 @@ def measure_link_cost(group: ProcessGroup | None = None, device: torch.device | 
         step = lambda s=send, r=recv: exchange(s, next_rank, r, prev_rank, group)  # noqa: E731
         step()  # warm-up: the connection, the allocator
         seconds.append(min(_slowest_rank_seconds(step, group) for _ in range(reps)))
+    # every rank holds the same times (each is the slowest rank's), so the same fit
     alpha, beta = fit_alpha_beta(list(sizes), seconds)
     # a fit on noisy times can come out slightly negative; the model needs costs ≥ 0
-    agreed = torch.tensor([max(alpha, 1e-7), max(beta, 1e-13)], dtype=torch.float64, device="cpu")
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
-    return LinkCost(*agreed.tolist())
+    return LinkCost(max(alpha, 1e-7), max(beta, 1e-13))
 
 
 class LinkCostCache:
