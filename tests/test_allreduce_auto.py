@@ -41,8 +41,16 @@ def test_choose_algorithm_crossover_at_world_4():
     assert choose_algorithm(900_000, 4, link) == "ring"
 
 
+def test_the_reduction_term_makes_two_ranks_use_the_ring_for_large_tensors():
+    # world 2: recursive doubling α + nβ + nγ, pipelined ring 2α + nβ (adds hidden): ring once nγ > α
+    link = LinkCost(alpha=1e-4, beta=1e-9, gamma=1e-10)
+    assert choose_algorithm(500_000, 2, link) == "recursive_doubling"
+    assert choose_algorithm(2_000_000, 2, link) == "ring"
+    assert choose_algorithm(2_000_000, 2, LinkCost(1e-4, 1e-9)) == "recursive_doubling"
+
+
 def test_link_cost_rejects_negative_and_all_reduce_names_bad_arguments():
-    with pytest.raises(ValueError, match="alpha and beta"):
+    with pytest.raises(ValueError, match="alpha, beta and gamma"):
         LinkCost(-1.0, 1e-9)
     with pytest.raises(ValueError, match="'fastest'"):
         collectives.all_reduce(torch.ones(3, device="cpu"), "fastest")

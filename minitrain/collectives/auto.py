@@ -6,7 +6,10 @@ shows the crossover the model predicts next to the one measured.
 
 The model (``cost_model.py``; Hockney 1994; Thakur, Rabenseifner & Gropp 2005) prices an
 all-reduce of n bytes on N ranks as a count of messages times the latency α plus the bytes
-on the busiest link times β. ``choose_algorithm`` takes the cheapest of naive, recursive
+on the busiest link times β, plus γ per byte added outside communication (``LinkCost.gamma``;
+without it, two ranks would always pick recursive doubling, whose one swap costs α less than
+the ring's two steps, though its add of the whole tensor is not hidden as the pipelined
+ring's are). ``choose_algorithm`` takes the cheapest of naive, recursive
 doubling and ring under it: few large messages (recursive doubling, log2 N swaps) for small
 n, the bandwidth-optimal ring for large n. It is the notebook's model that decides, so what
 the learner fitted is what runs.
@@ -51,17 +54,36 @@ class LinkCost:
 
     alpha: float
     beta: float
+    gamma: float = 0.0  # seconds per byte added locally (the model's reduction term, γ)
 
     def __post_init__(self):
-        if not (self.alpha >= 0 and self.beta >= 0):
-            raise ValueError(f"LinkCost: alpha and beta must be ≥ 0, got {self.alpha}, {self.beta}")
+        if not (self.alpha >= 0 and self.beta >= 0 and self.gamma >= 0):
+            raise ValueError(
+                f"LinkCost: alpha, beta and gamma must be ≥ 0, got {self.alpha}, {self.beta}, "
+                f"{self.gamma}"
+            )
+
+
+def _reduction_seconds(algorithm: str, nbytes: float, world_size: int, gamma: float) -> float:
+    """Time spent adding *outside* communication (γ·bytes; Thakur et al. 2005, §4's γ term):
+    recursive doubling adds the whole tensor after each swap, the naive root adds N-1
+    tensors; the pipelined ring adds each segment while the next ones travel, so its adds
+    are hidden behind its sends and cost nothing extra here."""
+    if algorithm == "recursive_doubling":
+        power = 1 << (world_size.bit_length() - 1)
+        return ((power.bit_length() - 1) + (power != world_size)) * nbytes * gamma
+    if algorithm == "naive":
+        return (world_size - 1) * nbytes * gamma
+    return 0.0
 
 
 def choose_algorithm(nbytes: int, world_size: int, link: LinkCost) -> str:
-    """The algorithm (of ``CANDIDATES``) the α–β model predicts fastest for ``nbytes``."""
+    """The algorithm (of ``CANDIDATES``) the α–β model predicts fastest for ``nbytes``, with
+    the time of the adds not hidden behind communication (``link.gamma``) added."""
     return min(
         CANDIDATES,
-        key=lambda a: predict_all_reduce(a, nbytes, world_size, link.alpha, link.beta),
+        key=lambda a: predict_all_reduce(a, nbytes, world_size, link.alpha, link.beta)
+        + _reduction_seconds(a, nbytes, world_size, link.gamma),
     )
 
 
@@ -90,8 +112,12 @@ def measure_link_cost(group: ProcessGroup | None = None, device: torch.device | 
         seconds.append(min(_slowest_rank_seconds(step, group) for _ in range(reps)))
     # every rank holds the same times (each is the slowest rank's), so the same fit
     alpha, beta = fit_alpha_beta(list(sizes), seconds)
+    a = torch.ones(sizes[-1] // 4, device=device)
+    b = torch.ones(sizes[-1] // 4, device=device)
+    a.add_(b)  # warm-up
+    add = min(_slowest_rank_seconds(lambda: a.add_(b), group) for _ in range(reps))
     # a fit on noisy times can come out slightly negative; the model needs costs ≥ 0
-    return LinkCost(max(alpha, 1e-7), max(beta, 1e-13))
+    return LinkCost(max(alpha, 1e-7), max(beta, 1e-13), add / sizes[-1])
 
 
 class LinkCostCache:
