@@ -984,6 +984,56 @@ MUTATIONS = [
         "            out.add(param, tp_rank == 0)\n",
         ["tests/test_train_moe.py::test_moe_layouts_equal_one_process"],
     ),
+    Mutation(
+        "pipelined ring forgets this rank's own contribution",
+        "minitrain/collectives/pipelined.py",
+        "torch.add(own, got, out=own)",
+        "own.copy_(got)",
+        ["tests/test_allreduce_auto.py::test_pipelined_ring_and_auto_equal_gloo"],
+    ),
+    Mutation(
+        "auto: each rank fits alpha and beta to its own times (ranks may pick different algorithms)",
+        "minitrain/collectives/auto.py",
+        "    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)\n",
+        "",
+        ["tests/test_allreduce_auto.py::test_pipelined_ring_and_auto_equal_gloo"],
+    ),
+    Mutation(
+        "auto: the model's most expensive algorithm is chosen",
+        "minitrain/collectives/auto.py",
+        "    return min(\n        CANDIDATES,",
+        "    return max(\n        CANDIDATES,",
+        ["tests/test_allreduce_auto.py::test_choose_algorithm_is_the_cheapest_by_the_formulas",
+         "tests/test_allreduce_auto.py::test_choose_algorithm_crossover_at_world_4"],
+    ),
+    Mutation(
+        "auto: the time of the adds recursive doubling cannot hide is left out of the choice",
+        "minitrain/collectives/auto.py",
+        "        + _reduction_seconds(a, nbytes, world_size, link.gamma),",
+        "        + 0.0,",
+        ["tests/test_allreduce_auto.py::test_the_reduction_term_makes_two_ranks_use_the_ring_for_large_tensors"],
+    ),
+    Mutation(
+        "fused FlashAttention forward: the accumulator is not rescaled when the max grows",
+        "minitrain/flash_attention/fused_tiles.py",
+        "acc.mul_(alpha[..., None]).baddbmm_(s, v3[:, j0:j1])",
+        "acc.baddbmm_(s, v3[:, j0:j1])",
+        ["tests/test_perf_flash.py::test_fused_tiles_match_sdpa_forward_and_backward"],
+    ),
+    Mutation(
+        "fused FlashAttention backward: the causal mask is not applied to P",
+        "minitrain/flash_attention/fused_tiles.py",
+        "                p.view(bt, g, i1 - i0, j1 - j0).masked_fill_(mask, 0.0)\n",
+        "                pass\n",
+        ["tests/test_perf_flash.py::test_fused_tiles_match_sdpa_forward_and_backward"],
+    ),
+    Mutation(
+        "fp32 attention silently takes the slow readable tiles",
+        "minitrain/flash_attention/tiles.py",
+        "    return all(t.dtype == acc_dtype for t in tensors)",
+        "    return False",
+        ["tests/test_perf_flash.py::test_fp32_runs_the_fused_tiles_and_bf16_the_readable_ones"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

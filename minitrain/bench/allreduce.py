@@ -6,7 +6,12 @@ Prints, for sizes 1 KB … 64 MB and world sizes 2 and 4 (gloo on this machine),
 median time, the algorithm bandwidth algbw = S / t and the bus bandwidth
 busbw = algbw · 2(N-1)/N, as nccl-tests define them for all-reduce (its
 doc/PERFORMANCE.md): busbw is what each link carried, comparable across N.
-Target (chapter 4): ring ≥ 0.7× torch's bandwidth at sizes ≥ 4 MB.
+Then, side by side with torch's: the exercise ring, the pipelined ring
+(``ring_all_reduce_pipelined``) and ``all_reduce(x, "auto")`` (the α–β model's pick) — each
+the median of per-repetition time ratios to torch's (below 1: faster) and the largest
+difference of its result from torch's.
+Targets (chapter 4, issue 33): ring ≥ 0.7× torch's bandwidth at sizes ≥ 4 MB; auto ≤ 1.5×
+torch's time at 1 MiB; the pipelined ring ≤ 1.15× at 64 MiB.
 Used by notebooks/04_collectives_and_data_parallel.ipynb and docs/ch04_collectives_and_ddp.md.
 """
 
@@ -47,6 +52,74 @@ def _ring(t, group: ProcessGroup | None = None):
     from minitrain import collectives
 
     collectives.ring_all_reduce(t, group)  # looked up at call time: a learner's patch applies
+
+
+def _pipelined(t, group: ProcessGroup | None = None):
+    from minitrain import collectives
+
+    collectives.ring_all_reduce_pipelined(t, group)
+
+
+def _auto(t, group: ProcessGroup | None = None):
+    from minitrain import collectives
+
+    collectives.all_reduce(t, "auto", group)
+
+
+PEERS = {"ring": _ring, "pipelined": _pipelined, "auto": _auto}  # each against torch's
+
+
+def _max_difference(fn, x: torch.Tensor) -> float:
+    """The largest |fn's sum - torch's sum| of a random tensor, over the ranks."""
+    g = torch.Generator(device="cpu").manual_seed(dist.get_rank())
+    y = torch.randn(x.shape, generator=g, device=x.device)
+    ours, theirs = y.clone(), y.clone()
+    fn(ours)
+    dist.all_reduce(theirs)
+    worst = (ours - theirs).abs().max().reshape(1) if y.numel() else torch.zeros(1, device=x.device)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.item()
+
+
+def _rank_peers(sizes, reps):
+    """Per size: {name: (median ms, median per-repetition ratio to torch, max |difference|)},
+    torch's first; every repetition times torch and each peer in turn."""
+    out = []
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4, device="cpu")
+        fns = {"torch": _torch_all_reduce, **PEERS}
+        for fn in fns.values():  # warm-up: connections, buffers, α and β of "auto"
+            _time_once(fn, x)
+        times = {name: [] for name in fns}
+        for _ in range(reps):
+            for name, fn in fns.items():
+                times[name].append(_time_once(fn, x))
+        row = {}
+        for name, fn in fns.items():
+            ratios = [a / b for a, b in zip(times[name], times["torch"])]
+            diff = 0.0 if name == "torch" else _max_difference(fn, x)
+            row[name] = (statistics.median(times[name]) * 1e3, statistics.median(ratios), diff)
+        out.append((nbytes, row))
+    return out
+
+
+def run_peers(worlds=(2, 4), sizes=(MB, 64 * MB), reps=10) -> dict:
+    """{world: [(bytes, {name: (median ms, ratio to torch, max diff)})]}, ``_rank_peers``."""
+    return {w: launch(_rank_peers, w, list(sizes), reps, timeout=900)[0] for w in worlds}
+
+
+def report_peers(results: dict) -> str:
+    lines = ["\nside by side with torch's all-reduce (gloo): median ms, median of per-repetition "
+             "ratios to torch, max |result - torch's|"]
+    for world, rows in results.items():
+        for nbytes, row in rows:
+            cells = "  ".join(
+                f"{name} {ms:8.2f}ms {ratio:5.2f}x diff {diff:.1e}"
+                if name != "torch" else f"torch {ms:8.2f}ms"
+                for name, (ms, ratio, diff) in row.items()
+            )
+            lines.append(f"world {world} {_fmt_size(nbytes):>6}: {cells}")
+    return "\n".join(lines)
 
 
 def _rank_bench(sizes, reps_small, reps_large):
@@ -125,12 +198,16 @@ def report(results: dict[int, list[tuple]]) -> str:
 def main(argv=None) -> int:
     parser = bench_parser("allreduce", __doc__, quick="fewer sizes and repetitions")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--peers-only", action="store_true",
+                        help="only the side-by-side table (1 MiB and 64 MiB)")
     args = parser.parse_args(argv)
-    if args.quick:
-        results = run(args.worlds, QUICK_SIZES, reps_small=10, reps_large=4)
-    else:
-        results = run(args.worlds)
-    print(report(results))
+    if not args.peers_only:
+        if args.quick:
+            results = run(args.worlds, QUICK_SIZES, reps_small=10, reps_large=4)
+        else:
+            results = run(args.worlds)
+        print(report(results))
+    print(report_peers(run_peers(args.worlds, reps=8 if args.quick else 12)), flush=True)
     return 0
 
 

@@ -28,9 +28,12 @@ does (measured: gloo's fp16 all-reduce of 1, eps/2, eps/2 is not the fp32 sum).
 Every rank counts the bytes it sends (``bytes_sent`` / ``reset_bytes_sent``) so the
 notebook can compare them with the formulas.
 
-Files by role: ``ring.py`` the ring (chapter 4's exercises); ``algorithms.py`` the naive and
-recursive-doubling all-reduces, the byte formulas (``predicted_bytes_sent``) and
-``all_reduce`` by name; ``exchange.py`` the send/receive building blocks and the byte
+Files by role: ``ring.py`` the ring (chapter 4's exercises); ``pipelined.py`` the same ring
+streamed in segments (sending, receiving and adding overlap: gloo's speed on large tensors);
+``algorithms.py`` the naive and recursive-doubling all-reduces, the byte formulas
+(``predicted_bytes_sent``) and ``all_reduce`` by name; ``auto.py`` the choice of
+``all_reduce(..., "auto")`` by the α–β model of ``cost_model.py``, α and β measured once
+per group; ``exchange.py`` the send/receive building blocks and the byte
 counter. Every public name is importable from ``minitrain.collectives``.
 """
 
@@ -41,12 +44,20 @@ from minitrain.collectives.algorithms import (
     predicted_bytes_sent,
     recursive_doubling_all_reduce,
 )
+from minitrain.collectives.auto import (
+    LINK_COSTS,
+    LinkCost,
+    LinkCostCache,
+    choose_algorithm,
+    measure_link_cost,
+)
 from minitrain.collectives.exchange import (
     bytes_sent,
     chunk_sizes,
     exchange,
     flat_view,
     global_rank,
+    record_send,
     recv_nonempty,
     reset_bytes_sent,
     scratch_buffers,
@@ -55,11 +66,14 @@ from minitrain.collectives.exchange import (
 
 # exercise files copied before the package was split import the helper under this name
 from minitrain.collectives.exchange import flat_view as _flat  # noqa: F401, E402
+from minitrain.collectives.pipelined import ring_all_reduce_pipelined
 from minitrain.collectives.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
 
 __all__ = [
-    "ALGORITHMS", "all_reduce", "bytes_sent", "chunk_sizes", "exchange", "flat_view",
-    "global_rank", "naive_all_reduce", "predicted_bytes_sent", "recursive_doubling_all_reduce",
-    "recv_nonempty", "reset_bytes_sent", "ring_all_gather", "ring_all_reduce",
-    "ring_reduce_scatter", "scratch_buffers", "send_counted",
+    "ALGORITHMS", "LINK_COSTS", "LinkCost", "LinkCostCache", "all_reduce", "bytes_sent",
+    "choose_algorithm", "chunk_sizes", "exchange", "flat_view", "global_rank",
+    "measure_link_cost", "naive_all_reduce", "predicted_bytes_sent", "record_send",
+    "recursive_doubling_all_reduce", "recv_nonempty", "reset_bytes_sent", "ring_all_gather",
+    "ring_all_reduce", "ring_all_reduce_pipelined", "ring_reduce_scatter", "scratch_buffers",
+    "send_counted",
 ]  # fmt: skip

@@ -37,8 +37,12 @@ def reset_bytes_sent() -> None:
     COMMUNICATION_LOG.reset(SOURCE)
 
 
-def _count(tensor: torch.Tensor) -> None:
+def record_send(tensor: torch.Tensor) -> None:
+    """Record one message of ``tensor``'s bytes sent by this process in the communication log."""
     COMMUNICATION_LOG.record(SOURCE, "send", tensor.numel() * tensor.element_size())
+
+
+_count = record_send  # the name the algorithms below were written with
 
 
 def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from minitrain.collectives import LINK_COSTS
 from minitrain.ddp.bucketing import assign_buckets  # noqa: F401 — importable from here too
 from minitrain.ddp.gradient_bucket import GradientBucket, make_buckets
 from minitrain.ddp.replicas import broadcast_from_first_rank, check_replicas_match
@@ -49,7 +50,9 @@ class DataParallel(nn.Module):
     ``bucket_cap_mb``: bucket size (0: one bucket per parameter, ``math.inf``: one flat
     bucket). ``overlap``: launch each bucket's all-reduce during backward as soon as it
     is full (True) or all of them after backward (False). ``communication``: "torch",
-    "ring" or a callable ``fn(tensor, group)`` summing ``tensor`` in place over ranks.
+    "ring", "auto" (``minitrain.collectives.all_reduce(..., "auto")``: per bucket, the
+    algorithm chapter 4's α–β model picks for its size; α and β measured here, at
+    construction) or a callable ``fn(tensor, group)`` summing ``tensor`` in place over ranks.
 
     Synchronisation finishes by itself at the end of backward (an autograd callback);
     ``finish_gradient_synchronization()`` may also be called and is then a no-op. A
@@ -86,9 +89,9 @@ class DataParallel(nn.Module):
         super().__init__()
         if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb >= 0):
             raise ValueError(f"DataParallel: bucket_cap_mb must be ≥ 0, got {bucket_cap_mb!r}")
-        if not (communication in ("torch", "ring") or callable(communication)):
+        if not (communication in ("torch", "ring", "auto") or callable(communication)):
             raise ValueError(
-                f"DataParallel: communication must be 'torch', 'ring' or a "
+                f"DataParallel: communication must be 'torch', 'ring', 'auto' or a "
                 f"function(tensor, group), got {communication!r}"
             )
         self.module = module
@@ -104,6 +107,9 @@ class DataParallel(nn.Module):
         check_replicas_match(self._params, group)
         broadcast_from_first_rank(module, group, skip=ignored_params)
         self.buckets = make_buckets(self._params, bucket_cap_mb)
+        if communication == "auto" and self.world_size > 1 and self._params:
+            # measure α and β now (a collective: every rank constructs), not inside backward
+            LINK_COSTS.get(group, self._params[0].device)
         # parameter -> (bucket, position in the bucket); Parameters hash by identity
         self._location = {
             p: (bucket, k) for bucket in self.buckets for k, p in enumerate(bucket.params)

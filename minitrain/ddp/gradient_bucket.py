@@ -8,7 +8,9 @@ al. 2020, "PyTorch Distributed", §3.2.3).
 
 How a bucket is summed (``communication``): "torch" uses ``dist.all_reduce(async_op=True)``;
 "ring" runs ``minitrain.collectives.ring_all_reduce`` (a learner's, when graded) on a helper
-thread so it still overlaps backward; any ``fn(tensor, group)`` works too.
+thread so it still overlaps backward; "auto" runs ``minitrain.collectives.all_reduce(...,
+"auto")`` there (the α–β model's pick for the bucket's size: recursive doubling for small
+buckets, the pipelined ring for large ones); any ``fn(tensor, group)`` works too.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ class GradientBucket:
         fn = communication
         if fn == "ring":
             fn = collectives.ring_all_reduce  # at call time: a learner's version when graded
+        elif fn == "auto":
+            fn = _auto_all_reduce
 
         def run(buffer=self.buffer, group=group):
             fn(buffer, group)
@@ -93,6 +97,10 @@ class GradientBucket:
                 p.grad.copy_(grad)
             for hook in hooks:
                 hook(p)
+
+
+def _auto_all_reduce(tensor: torch.Tensor, group) -> None:
+    collectives.all_reduce(tensor, "auto", group)
 
 
 def make_buckets(params: list[nn.Parameter], bucket_cap_mb: float) -> list[GradientBucket]:
