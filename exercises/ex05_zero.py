@@ -51,7 +51,7 @@ class ShardedOptimizer:
            owner's values into its parameters. Count it: ``count_sent("all_gather", bytes, N)``.
         Runs ``closure`` (with grad enabled) first if given and returns its loss.
         """
-        # HINT: sizes = [[every[i].numel() for i in o] for o in self.owned]; width = max(map(sum, sizes))
+        # HINT: an all-gather needs equal pieces: every rank pads its share to the largest one
         raise NotImplementedError("exercise: write ShardedOptimizer.step (see its docstring)")
 
 
@@ -123,4 +123,4 @@ class FullyShardedDataParallel:
         # HINT: dist.all_reduce(tensor, group=..., async_op=True) returns a work handle too
         raise NotImplementedError("exercise: write FullyShardedDataParallel._launch_reduce_scatter (see its docstring)")
 
-# minitrain-exercises-hash: 4c342d8344bb2487
+# minitrain-exercises-hash: 6fc0ac2f49b17293

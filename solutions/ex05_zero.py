@@ -57,7 +57,7 @@ class ShardedOptimizer:
         Runs ``closure`` (with grad enabled) first if given and returns its loss.
         """
         ### BEGIN SOLUTION
-        # HINT: sizes = [[every[i].numel() for i in o] for o in self.owned]; width = max(map(sum, sizes))
+        # HINT: an all-gather needs equal pieces: every rank pads its share to the largest one
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -187,4 +187,4 @@ class FullyShardedDataParallel:
         self._pending.append((u, out, timed(work), start))
         ### END SOLUTION
 
-# minitrain-exercises-hash: fe0e5802472297e6
+# minitrain-exercises-hash: 0c6dd540f1e1268c

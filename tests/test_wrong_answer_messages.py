@@ -30,17 +30,41 @@ SAMPLE = [
 
 
 def _answer(chapter, function):
-    (found,) = [
+    # the first entry of that function: issue 21's, the one SAMPLE was chosen for
+    return next(
         a for a in wrong_answers.WRONG_ANSWERS if (a.chapter, a.function) == (chapter, function)
-    ]
-    return found
+    )
 
 
-def test_every_wrong_answer_applies_to_the_solutions(tmp_path):
-    """Each entry's old text occurs exactly once in its solution file (else it tests nothing)."""
-    wrong_answers.apply(wrong_answers.WRONG_ANSWERS, tmp_path)
+def test_every_wrong_answer_applies_to_the_solutions():
+    """Each entry's old text occurs exactly once in its solution file (else it tests nothing),
+    and its new text differs from it; several entries may rewrite one function, so each is
+    checked alone, not written in together."""
+    texts = {}
     for a in wrong_answers.WRONG_ANSWERS:
-        assert a.new in (tmp_path / wrong_answers.solution_file(a.chapter).name).read_text()
+        path = wrong_answers.solution_file(a.chapter)
+        text = texts.setdefault(path, path.read_text())
+        assert text.count(a.old) == 1, (
+            f"chapter {a.chapter}, {a.function} ({a.mistake}): its old text occurs "
+            f"{text.count(a.old)} times in {path.name}: {a.old!r}")
+        assert a.new != a.old and a.words, f"{a.function} ({a.mistake}): nothing to grade"
+
+
+def test_at_least_three_wrong_answers_per_exercise():
+    """Issue 32: every graded exercise has three plausible wrong answers or more."""
+    from minitrain.course.exercises import CHAPTERS, chapter_exercises
+
+    few = []
+    for chapter in CHAPTERS:
+        for ex in chapter_exercises(chapter):
+            n = sum(
+                1 for a in wrong_answers.WRONG_ANSWERS
+                if a.chapter == chapter and (a.function in (ex.qualname, ex.name)
+                                             or ex.qualname.startswith(a.function + "."))
+            )
+            if n < 3:
+                few.append(f"chapter {chapter}: {ex.qualname} has {n}")
+    assert not few, f"exercises with fewer than 3 wrong answers: {few}"
 
 
 @pytest.mark.parametrize("chapter,function", SAMPLE, ids=[f"ch{c}-{f}" for c, f in SAMPLE])

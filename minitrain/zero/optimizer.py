@@ -87,7 +87,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Runs ``closure`` (with grad enabled) first if given and returns its loss.
         """
         ### BEGIN SOLUTION
-        # HINT: sizes = [[every[i].numel() for i in o] for o in self.owned]; width = max(map(sum, sizes))
+        # HINT: an all-gather needs equal pieces: every rank pads its share to the largest one
         loss = None
         if closure is not None:
             with torch.enable_grad():
