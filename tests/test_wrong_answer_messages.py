@@ -78,3 +78,34 @@ def test_the_grader_says_what_went_wrong(chapter, function):
         f"chapter {chapter}, {function} ({answer.mistake}): the grader's messages lack "
         f"{missing}:\n" + "\n".join(messages)
     )
+
+
+def test_bug_hunts_are_in_the_syllabus_and_the_failure_line():
+    """Issue 32: the README's syllabus names each bug hunt's file, and a failing bug hunt's
+    line in the grader's table says which file to fix."""
+    from minitrain.course.bughunts import BUG_HUNTS
+    from minitrain.course.grade import file_to_edit
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    syllabus = readme[readme.index("## Syllabus"):].split("\n## ")[0]
+    for hunt in BUG_HUNTS:
+        row = next(line for line in syllabus.splitlines() if line.startswith(f"| {hunt.chapter} |"))
+        assert hunt.stem in row and hunt.qualname in row, f"{hunt.stem} is not in chapter {hunt.chapter}'s row"
+        assert file_to_edit(f"bug hunt: {hunt.qualname}") == f"my_exercises/{hunt.stem}.py"
+    assert file_to_edit("ring_all_reduce") is None
+
+
+def test_a_mistake_costs_only_its_own_exercise(tmp_path):
+    """Issue 32, blame on the right exercise: a wrong sort_by_expert fails sort_by_expert's
+    test, while top_k_routing's test — whose expert-parallel layer also sorts — runs on the
+    reference sort_by_expert and passes."""
+    from minitrain.course.grade import run_tests
+
+    (wrong,) = [a for a in wrong_answers.WRONG_ANSWERS
+                if a.function == "sort_by_expert" and a.mistake == "returns the rows unpermuted"]
+    wrong_answers.apply([wrong], tmp_path)
+    results = run_tests([8], tmp_path, timeout=60, verbose=False)
+    by_test = {r["test"]: r for r in results}
+    assert not by_test["test_sort_by_expert"]["passed"]
+    driven = by_test["test_your_functions_drive_expert_parallelism"]
+    assert driven["passed"], f"top_k_routing lost points for sort_by_expert's mistake: {driven['message']}"
