@@ -113,7 +113,8 @@ def assign_buckets(params: list[torch.Tensor], bucket_cap_bytes: float) -> list[
     from the open bucket's closes that bucket first. Returns lists of indices into
     ``params``: e.g. sizes [4, 4, 4] bytes with a cap of 8 give [[2, 1], [0]].
     """
-    # HINT: for i in reversed(range(len(params))): bytes of a tensor = p.numel() * p.element_size()
+    # HINT: walk the parameters in the order their gradients arrive in backward, which is not
+    # HINT: the order they are listed in; count bytes, not elements
     raise NotImplementedError("exercise: write assign_buckets (see its docstring)")
 
 
@@ -151,4 +152,4 @@ class DataParallel:
         # HINT: more parameter counted ready in its bucket
         raise NotImplementedError("exercise: write DataParallel._on_grad_ready (see its docstring)")
 
-# minitrain-exercises-hash: ccdbc6b2ad6bfb29
+# minitrain-exercises-hash: a755d9b938b2cf99

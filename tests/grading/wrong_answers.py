@@ -241,12 +241,14 @@ def belongs(answer: WrongAnswer, exercise: str) -> bool:
     return exercise == f or exercise.endswith("." + f) or f.startswith(exercise + ".")
 
 
-def check(chapter: int, timeout: float = 120) -> list[str]:
-    """Grade chapter's wrong answers in rounds; return one line per wrong answer not caught
-    (no failing test of its function, or a message lacking its words)."""
+def check(chapter: int, timeout: float = 120, only: list[str] | None = None) -> list[str]:
+    """Grade chapter's wrong answers in rounds (``only``: those whose mistake contains one of
+    these texts); return one line per wrong answer not caught (no failing test of its
+    function, or a message lacking its words)."""
     from minitrain.course.grade import run_tests
 
-    mine = [a for a in WRONG_ANSWERS if a.chapter == chapter]
+    mine = [a for a in WRONG_ANSWERS if a.chapter == chapter
+            and (not only or any(o in a.mistake for o in only))]
     rounds: list[list[WrongAnswer]] = []
     for a in mine:  # the first round without a wrong answer of the same function
         slot = next((r for r in rounds if all(b.function != a.function for b in r)), None)
@@ -277,8 +279,8 @@ if __name__ == "__main__":
     chapter = int(sys.argv[1])
     mine = [a for a in WRONG_ANSWERS if a.chapter == chapter]
     which = sys.argv[2] if len(sys.argv) > 2 else None
-    if which == "check":
-        sys.exit(1 if check(chapter) else 0)
+    if which == "check":  # ... N check ["text in the mistake" ...]
+        sys.exit(1 if check(chapter, only=sys.argv[3:]) else 0)
     if which == "all":
         print(grade(mine, chapter))
     for a in [] if which == "all" else [mine[int(which)]] if which else mine:
