@@ -323,7 +323,7 @@ def _fsdp(own, replicated, model_class=None):
         try:
             ((fsdp(x) - y) ** 2).mean().backward()
         except (RuntimeError, AttributeError) as exc:
-            if model_class is not _TupleToy:
+            if model_class is not _TupleToy or isinstance(exc, NotImplementedError):
                 raise
             raise AssertionError(
                 f"FSDP whose blocks return a tuple (hidden, extra), 3 blocks on 2 ranks: "
