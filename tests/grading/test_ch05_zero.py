@@ -310,12 +310,17 @@ def _fsdp(own, replicated, model_class=None):
     model = (model_class or _Toy)()
     fsdp = F(model, replicated_params=[model.out.bias] if replicated else None)
     opt = torch.optim.AdamW(fsdp.parameters(), lr=LR)
-    freed = []
+    freed, next_state = [], []
     model.out.register_forward_hook(
         lambda m, a, o: freed.append(
             [b.fc.weight.untyped_storage().nbytes() == 0 for b in model.blocks]
         )
     )
+    # registered after FSDP's own hook: runs once _pre_forward is done, as block i computes
+    for i, block in enumerate(model.blocks[:-1]):
+        block.register_forward_pre_hook(
+            lambda m, a, i=i: next_state.append(fsdp.units[i + 1].state)
+        )
     for s in range(STEPS):
         x, y = _batch(s, rank, world)
         zero.reset_bytes_sent()
@@ -332,13 +337,20 @@ def _fsdp(own, replicated, model_class=None):
                 f"requires grad (tensors_requiring_grad), not only on a single tensor") from None
         fsdp.finish_gradient_synchronization()
         opt.step()
-    return fsdp.full_state_dict(), freed[0], zero.bytes_sent(), fsdp.padded_numel()
+    return (fsdp.full_state_dict(), freed[0], zero.bytes_sent(), fsdp.padded_numel(),
+            next_state[: len(model.blocks) - 1])
 
 
 def _check_fsdp(own, replicated=False, hint="", model_class=None):
     ref = _reference(model_class)
-    runs = launch(_fsdp, 2, own, replicated, model_class, timeout=60)
-    for rank, (got, freed, _, _) in enumerate(runs):
+    runs = launch(_fsdp, 2, own, replicated, model_class, timeout=90)
+    for rank, (got, freed, _, _, next_state) in enumerate(runs):
+        if own == "_pre_forward" and model_class is None:
+            assert next_state == ["gathering", "gathering"], (
+                f"FSDP rank {rank}, 3 blocks on 2 ranks: when block i's forward computes, "
+                f"block i + 1's all-gather should be in flight (launched, not waited for); "
+                f"its state per block 0, 1: {next_state} — 'free': launch the next unit's "
+                f"gather too (forward prefetching), 'full': don't wait for it")
         skipped = " (block 1 was skipped after its prefetch)" if model_class else ""
         assert freed == [True, True, True], (
             f"FSDP rank {rank}: when the last layer runs, every block's parameters should be "
@@ -350,6 +362,7 @@ def _check_fsdp(own, replicated=False, hint="", model_class=None):
                 f"FSDP on 2 ranks: rank {rank}'s {name} differs from one process with AdamW by "
                 f"{err:.2g} after {STEPS} steps ({hint})"
             )
+    return runs
 
 
 @pytest.mark.exercise("FullyShardedDataParallel._pre_forward", points=2)
@@ -373,8 +386,8 @@ def test_fsdp_post_forward_with_tuple_outputs():
 
 @pytest.mark.exercise("FullyShardedDataParallel._launch_reduce_scatter", points=3)
 def test_fsdp_reduce_scatter_and_all_reduce_of_replicated_params():
-    _check_fsdp("_launch_reduce_scatter", True, hint="are the gradients reduced over the ranks?")
-    _, _, sent, psi = launch(_fsdp, 2, "_launch_reduce_scatter", True, timeout=60)[0]
+    runs = _check_fsdp("_launch_reduce_scatter", True, hint="are the gradients reduced over the ranks?")
+    _, _, sent, psi, _ = runs[0]
     # one step: a reduce-scatter of Ψ fp32 elements, sent (N-1)/N of; all-reduce of the bias
     assert sent["reduce_scatter"] == psi * 4 // 2, (
         f"FSDP on 2 ranks: one step should count {psi * 4 // 2} bytes of reduce-scatter "
