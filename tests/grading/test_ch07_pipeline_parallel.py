@@ -87,10 +87,9 @@ def _step(cases):
             hint = (" — x.grad is None: does the received activation require grad "
                     "(.requires_grad_()) so backward fills its gradient?"
                     if "NoneType" in str(exc) else
-                    " — a W action found no parked gradient: with checkpointing the executor "
-                    "does not split the backward (state.split_backward is False), B did all of "
-                    "it, and W must then do nothing" if isinstance(exc, KeyError) and "W" in
-                    str(schedule) else "")
+                    " — W found no parked gradient: with checkpointing B did the whole backward "
+                    "(state.split_backward is False), so W must do nothing"
+                    if isinstance(exc, KeyError) and "W" in str(schedule) else "")
             raise AssertionError(f"{name}: your run_action raised {type(exc).__name__}: "
                                  f"{exc}{hint}") from exc
         refp = dict(ref.named_parameters())
