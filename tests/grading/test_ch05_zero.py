@@ -331,10 +331,10 @@ def _fsdp(own, replicated, model_class=None):
             if model_class is not _TupleToy or isinstance(exc, NotImplementedError):
                 raise
             raise AssertionError(
-                f"FSDP whose blocks return a tuple (hidden, extra), 3 blocks on 2 ranks: "
-                f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]} — _post_forward must "
-                f"handle any output: register the re-gather hook on every tensor of it that "
-                f"requires grad (tensors_requiring_grad), not only on a single tensor") from None
+                f"FSDP, 3 blocks returning a tuple (hidden, extra), 2 ranks: _post_forward must "
+                f"hook every tensor of the output that requires grad (tensors_requiring_grad), "
+                f"or backward runs on freed parameters ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:60]})") from None
         fsdp.finish_gradient_synchronization()
         opt.step()
     return (fsdp.full_state_dict(), freed[0], zero.bytes_sent(), fsdp.padded_numel(),

@@ -151,7 +151,7 @@ MORE = [
     (5, "FullyShardedDataParallel._post_forward", "FSDP: handles a single-tensor output only",
      "        for t in tensors_requiring_grad(output) if torch.is_grad_enabled() else []:",
      "        for t in [output] if torch.is_grad_enabled() and isinstance(output, torch.Tensor) else []:",
-     ("blocks return a tuple", "tensors_requiring_grad")),
+     ("blocks returning a tuple", "tensors_requiring_grad")),
     (5, "FullyShardedDataParallel._post_forward", "FSDP: the hook re-gathers the next unit, not this one",
      "            t.register_hook(lambda grad: self._pre_backward(index))",
      "            t.register_hook(lambda grad: self._pre_backward(index + 1))", ("FSDP",)),
