@@ -25,12 +25,15 @@ def gpt_num_params(config: GPTConfig) -> int:
 
     With h = d_model, f = d_ff, v = vocab_size, s = seq_len, L = n_layer:
     embeddings v*h + s*h; per block 4h^2 + 2hf weights (attention q, k, v, out and
-    the MLP's two matrices) plus, with biases, 4h + f + h (Linear biases) + 4h
-    (two LayerNorms' gain and bias); the final LayerNorm; the LM head v*h unless
-    tied. For f = 4h and biases: v*h + s*h + L*(12h^2 + 13h) + 2h (+ v*h).
-    Kaplan et al. 2020, Table 1, count the same terms.
+    the MLP's two matrices) and the two LayerNorms' gains 2h (always there), plus, with
+    biases (``config.bias``), 4h + f + h (Linear biases) + 2h (the LayerNorms' biases); the
+    final LayerNorm (gain, and bias with biases); the LM head v*h (no bias) unless tied
+    (``config.tie_weights``: the head *is* the token embedding, counted once). For f = 4h
+    and biases: v*h + s*h + L*(12h^2 + 13h) + 2h (+ v*h). Kaplan et al. 2020, Table 1,
+    count the same terms. Returns an int equal to ``sum(p.numel() for p in
+    GPT(config).parameters())``.
     """
-    # HINT: count each nn.Linear (weight in*out, bias out) and nn.LayerNorm (gain h, bias h)
+    # HINT: count one block, then multiply; bias=False removes biases only, never gains
     raise NotImplementedError("exercise: write gpt_num_params (see its docstring)")
 
 
@@ -51,7 +54,8 @@ def estimate_training_memory(num_params: int, precision: str = "fp32") -> dict:
     """
     if isinstance(num_params, float) and num_params.is_integer():
         num_params = int(num_params)  # 7e9 is a fine way to write seven billion
-    # HINT: validate the inputs, then multiply bytes-per-parameter by num_params for each part
+    # HINT: first reject what cannot be counted (say which input and why); then every part
+    # HINT: is bytes per parameter times the count
     raise NotImplementedError("exercise: write estimate_training_memory (see its docstring)")
 
 
@@ -94,4 +98,4 @@ def accumulate_gradients(model, micro_batches, loss_fn=None) -> float:
     # HINT: count the targets first (targets.numel()), then backward each scaled loss
     raise NotImplementedError("exercise: write accumulate_gradients (see its docstring)")
 
-# minitrain-exercises-hash: e3afbfdfe8d0ff22
+# minitrain-exercises-hash: a588b1ac1a738012

@@ -27,8 +27,8 @@ def round_significand(sig: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     (remainder 0b11 is more than half); sig=0b1010, shift=2 -> 2 (a tie, 2 is even);
     sig=0b1110, shift=2 -> 4 (a tie, 3 is odd so round up to 4).
     """
-    # HINT: q = sig >> shift keeps the high bits; the remainder is sig - (q << shift)
-    # HINT: "half" is 1 << (shift - 1); round up if remainder > half, or == half and q is odd
+    # HINT: split each value into the bits kept and the bits dropped; the dropped bits decide,
+    # HINT: compared with exactly half of one unit of the kept ones — and a tie goes to even
     raise NotImplementedError("exercise: write round_significand (see its docstring)")
 
 
@@ -85,4 +85,4 @@ class MasterWeightOptimizer:
         # HINT: self.optimizer, self.model_params, self.master_params; use torch.no_grad()
         raise NotImplementedError("exercise: write MasterWeightOptimizer.step (see its docstring)")
 
-# minitrain-exercises-hash: 2efa63fc5c6c1555
+# minitrain-exercises-hash: bab245a9d8b72f52

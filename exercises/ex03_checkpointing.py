@@ -31,7 +31,8 @@ class CheckpointFunction:
         remember where they go among the non-tensor ones). Return fn's output(s).
         """
         # HINT: autograd already runs forward under no_grad, so fn builds no graph here
-        # HINT: ctx.tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+        # HINT: only tensors can be saved for backward; remember where they sat among args so
+        # HINT: backward can rebuild the call with non-tensor arguments in their places
         raise NotImplementedError("exercise: write CheckpointFunction.forward (see its docstring)")
 
     @staticmethod
@@ -68,4 +69,4 @@ def choose_segments(
     # HINT: try every k from 1 to num_layers; math.ceil(num_layers / k) layers in the last one
     raise NotImplementedError("exercise: write choose_segments (see its docstring)")
 
-# minitrain-exercises-hash: 529014c2d2348380
+# minitrain-exercises-hash: a9f1170385b50d1f

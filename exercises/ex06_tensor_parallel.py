@@ -25,12 +25,24 @@ class CopyToParallelRegion:
 
     @staticmethod
     def forward(ctx, x, group):
-        # HINT: remember the group on ctx for backward; every rank already holds all of x
+        """f's forward: ``x`` (any shape and dtype, the same on every rank of ``group``) enters
+        the parallel region unchanged. Returns a tensor equal to ``x`` — a new tensor object
+        (a view will do), since autograd records a new output for a Function. Keep ``group``
+        on ``ctx`` for backward. No communication here: every rank already holds all of x.
+        """
+        # HINT: what backward will need is not a tensor — it can live on ctx as an attribute
         raise NotImplementedError("exercise: write CopyToParallelRegion.forward (see its docstring)")
 
     @staticmethod
     def backward(ctx, grad):
-        # HINT: each rank's grad is only its share: sum them with all_reduce(..., ctx.group)
+        """f's backward: ``grad`` (x's shape) is the gradient of *this rank's* use of x — each
+        rank's layer reads all of x but only computes part of the output, so the true
+        gradient of x is the sum over ranks. Returns one gradient per forward input:
+        ``(gradient of x, None)`` (``group`` has none). May use ``all_reduce(tensor, group)``
+        (sums in place and returns it — so give it a tensor you own, never ``grad`` itself,
+        which autograd may share) and ``ctx.group``.
+        """
+        # HINT: the gradient of a value copied to every rank is the sum of what each rank sends back
         raise NotImplementedError("exercise: write CopyToParallelRegion.backward (see its docstring)")
 
 
@@ -39,11 +51,20 @@ class ReduceFromParallelRegion:
 
     @staticmethod
     def forward(ctx, x, group):
-        # HINT: sum the partial outputs with all_reduce on a copy (never modify the input)
+        """g's forward: ``x`` is this rank's partial result (e.g. a row-parallel Linear's
+        product of its slice of the input); returns the sum over the ranks of ``group``, the
+        same on every rank, x's shape and dtype. ``x`` itself must stay unchanged (autograd
+        may have saved it). May use ``all_reduce(tensor, group)``.
+        """
+        # HINT: in-place collectives change what they are given: give them something of your own
         raise NotImplementedError("exercise: write ReduceFromParallelRegion.forward (see its docstring)")
 
     @staticmethod
     def backward(ctx, grad):
+        """g's backward: ``grad`` is the gradient of the summed output, already the same on
+        every rank. Returns ``(gradient of x, None)``. Why no communication: the output is
+        x_0 + ... + x_{t-1}, so d(out)/d(x_r) is the identity for every r.
+        """
         # HINT: the sum's gradient is the same on every rank: pass it through
         raise NotImplementedError("exercise: write ReduceFromParallelRegion.backward (see its docstring)")
 
@@ -52,8 +73,26 @@ class ColumnParallelLinear:
     # Only the methods you write; the rest of the class is in minitrain.tensor_parallel.layers.
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # HINT: enter with f (copy_to_parallel_region) or, if self.sequence_parallel, with
-        # HINT: gather_from_sequence_parallel_region; skip both if not self.communicate_input
+        """``x``: (..., in_features), the same on every rank — or, with
+        ``self.sequence_parallel``, this rank's shard of the sequence (dimension 0, the
+        sequence-first layout of Korthikanti et al. 2022). Returns (..., local_out), this
+        rank's contiguous slice of the output features — or all out_features, identical on
+        every rank, if ``self.gather_output`` (what a head needs when its loss is not
+        vocabulary-parallel).
+
+        May use: ``self.weight`` (local_out, in_features), ``self.bias`` (local_out,) or
+        None, ``self.group``, ``self.communicate_input``, ``self.sequence_parallel``,
+        ``self.gather_output``, and the mappings ``copy_to_parallel_region`` (f),
+        ``gather_from_sequence_parallel_region``, ``gather_from_parallel_region``.
+
+        Requirements and why: the input enters the parallel region through f (its backward
+        sums the input's gradient over the ranks, each of which used all of x) — or, with
+        sequence parallelism, through the sequence all-gather, whose backward reduce-scatters;
+        with ``communicate_input`` False the caller has done that once for several layers
+        (q, k, v), and doing it again would sum the gradient twice.
+        """
+        # HINT: three independent choices: how the input enters (two flags), the matmul on this
+        # HINT: rank's rows, and whether the slices are joined afterwards
         raise NotImplementedError("exercise: write ColumnParallelLinear.forward (see its docstring)")
 
 
@@ -61,8 +100,26 @@ class RowParallelLinear:
     # Only the methods you write; the rest of the class is in minitrain.tensor_parallel.layers.
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # HINT: split x if not self.input_is_parallel; multiply WITHOUT the bias; sum with g
-        # HINT: (or reduce_scatter_to_sequence_parallel_region); then add the bias once
+        """``x``: (..., local_in), this rank's slice of the input features (the column layer's
+        output) when ``self.input_is_parallel``, else (..., in_features), the whole input,
+        to be split here. Returns (..., out_features): the full product summed over the
+        ranks, identical on every rank — or, with ``self.sequence_parallel``, this rank's
+        shard of the sequence (dimension 0) of that sum.
+
+        May use: ``self.weight`` (out_features, local_in), ``self.bias`` (out_features,) or
+        None — whole on every rank, ``self.group``, ``self.input_is_parallel``,
+        ``self.sequence_parallel``, and ``scatter_to_parallel_region``,
+        ``reduce_from_parallel_region`` (g), ``reduce_scatter_to_sequence_parallel_region``,
+        ``copy_to_parallel_region`` (f).
+
+        Requirements and why: the bias is added once, after the sum (added on every rank
+        before it, it would count t times). With sequence parallelism each rank adds the bias
+        to its own sequence shard only, so each rank's bias gradient is partial: the bias must
+        enter through f, whose backward sums that gradient over the ranks (else the replicas
+        of the bias drift apart).
+        """
+        # HINT: a partial product per rank, a sum (or a sum scattered along the sequence), and
+        # HINT: only then the bias — whose gradient must come out whole on every rank
         raise NotImplementedError("exercise: write RowParallelLinear.forward (see its docstring)")
 
 
@@ -71,15 +128,38 @@ class VocabParallelCrossEntropy:
 
     @staticmethod
     def forward(ctx, logits_shard, targets, group):
-        # HINT: 1) max over the vocabulary: local max, then all_reduce(m, group, dist.ReduceOp.MAX)
-        # HINT: 2) sum of exp(z - max): local sum, then all_reduce; 3) the target's shifted logit
-        # HINT: from the rank whose slice holds it (0 elsewhere), all_reduce. Save what backward needs.
+        """``logits_shard``: (..., v/t) this rank's slice of the vocabulary — rank r holds
+        token ids r*v/t .. (r+1)*v/t - 1 — in any float dtype; ``targets``: (...) int64 ids
+        of the whole vocabulary; ``group``: the tensor-parallel group. Returns the mean over
+        all tokens of the cross-entropy, a 0-dim tensor in ``logits_shard``'s dtype, the same
+        on every rank (equal to ``F.cross_entropy`` of the gathered logits).
+
+        May use: ``group_rank_and_size(group)``, ``all_reduce(tensor, group, op)``
+        (``dist.ReduceOp.MAX`` or the default sum; in place on what it is given), ``ctx``
+        (``ctx.save_for_backward(...)``, attributes) for what backward needs.
+
+        Requirements and why: never gather the logits (that is b*s*v numbers; three per
+        token suffice — the module docstring lists them); subtract the *global* max, or the
+        exponentials of large logits overflow and the ranks' sums do not add up; compute in
+        ``torch.promote_types(dtype, torch.float32)`` (exp and a vocabulary-long sum need
+        fp32's range and digits).
+        """
+        # HINT: three numbers per token cross the group; a target id belongs to exactly one
+        # HINT: rank's slice — the others contribute 0 to its logit
         raise NotImplementedError("exercise: write VocabParallelCrossEntropy.forward (see its docstring)")
 
     @staticmethod
     def backward(ctx, grad_loss):
-        # HINT: (softmax - onehot(target)) * grad_loss / number of tokens; the onehot's 1
-        # HINT: only on the rank holding the target. No communication is needed.
+        """``grad_loss``: the 0-dim gradient of the mean loss. Returns ``(gradient of
+        logits_shard, None, None)`` — one per forward input; the first has
+        ``logits_shard``'s shape and dtype: d loss / d z = (softmax(z) - onehot(target)) *
+        grad_loss / N for this rank's columns, N the number of tokens (the loss is a mean).
+
+        May use what forward saved (``ctx.saved_tensors``, attributes on ``ctx``). Why no
+        communication: forward's sums made the softmax of this rank's columns exact, and the
+        one-hot's 1 lies on the one rank that holds the target's column.
+        """
+        # HINT: the softmax of your columns, minus 1 where your slice holds the target
         raise NotImplementedError("exercise: write VocabParallelCrossEntropy.backward (see its docstring)")
 
-# minitrain-exercises-hash: 3919254c6dd3c73e
+# minitrain-exercises-hash: 3dddfb7c305593f1

@@ -44,7 +44,8 @@ def sort_by_expert(rows: torch.Tensor, expert_of_row: torch.Tensor, num_experts:
     and ``counts`` (num_experts,) the number of rows per expert (zeros included).
     Differentiable in ``rows``.
     """
-    # HINT: torch.argsort(..., stable=True); torch.bincount(..., minlength=num_experts)
+    # HINT: one sort of the expert ids gives the permutation — ties are the rule here, and
+    # HINT: their order must not be left to chance; a count per expert must include empty ones
     raise NotImplementedError("exercise: write sort_by_expert (see its docstring)")
 
 
@@ -54,7 +55,7 @@ def unsort(sorted_rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     Row i of ``sorted_rows`` came from row ``order[i]``, so it goes back there.
     Differentiable in ``sorted_rows`` (its gradient is the forward permutation).
     """
-    # HINT: write row i to position order[i]: index_copy along dimension 0
+    # HINT: row i goes back to position order[i]: a write at indices, not a read at them
     raise NotImplementedError("exercise: write unsort (see its docstring)")
 
 
@@ -69,12 +70,15 @@ def load_balancing_loss(router_probs: torch.Tensor, expert_indices: torch.Tensor
     tokens (differentiable: the gradient pushes probability away from busy experts).
     Both sum to 1, so the loss is exactly 1.0 when both are uniform (1/N each), and N when
     every token and all probability go to one expert.
+
+    Returns a 0-dim tensor in ``router_probs``' dtype that requires grad when
+    ``router_probs`` does (the loss exists to train the router: never detach P).
     """
     if router_probs.dim() != 2 or router_probs.shape[1] != num_experts:
         raise ValueError(f"router_probs must be (tokens, {num_experts}), got "
                          f"{tuple(router_probs.shape)}")
-    # HINT: f = bincount of the flattened indices (minlength=num_experts) / their number
-    # HINT: P = router_probs.mean over the tokens; the loss is num_experts * (f * P).sum()
+    # HINT: f counts assignments (every one of the T·k, experts with none included), P
+    # HINT: averages probabilities over tokens; only P carries the gradient
     raise NotImplementedError("exercise: write load_balancing_loss (see its docstring)")
 
-# minitrain-exercises-hash: 6b062bd72134d71e
+# minitrain-exercises-hash: 23f96a7ade6c1868

@@ -57,13 +57,20 @@ def params_per_rank(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0)
     """Exact number of parameters pipeline stage ``stage`` of ``pp`` holds on one of ``tp``
     tensor-parallel ranks, for the course's GPT split as chapters 6 and 7 split it.
 
-    Column-parallel Linears (q, k, v, fc_in, the head) keep 1/t of their weight and bias;
-    row-parallel ones (out_proj, fc_out) 1/t of their weight and a *whole* bias; LayerNorms
-    and the position table are replicated; the token embedding keeps 1/t of its rows. Stage 0
-    holds the embeddings, the last stage ln_f and the head, and the blocks are cut as
+    Column-parallel Linears (q, k, v, fc_in, the head) keep 1/t of their weight and of their
+    bias, if they have one (the head has none); row-parallel ones (out_proj, fc_out) 1/t of
+    their weight and a *whole* bias (added once, after the sum); LayerNorms and the position
+    table are replicated; the token embedding keeps 1/t of its rows. Stage 0 holds the
+    embeddings, the last stage ln_f and the head, and the blocks are cut as
     ``minitrain.pipeline.split_blocks`` cuts them (extras to the first stages).
+    ``config.bias`` False removes the biases only (a LayerNorm keeps its gain);
+    ``config.tie_weights`` makes the head the token embedding itself: one matrix, counted
+    once (pipelines refuse tied weights, so it only happens with pp = 1).
+    Returns an int, exactly what ``sum(p.numel() for p in stage.parameters())`` gives on
+    such a rank.
     """
-    # HINT: count one block's parameters with h = d_model, f = d_ff, then add the stage's ends
+    # HINT: count one block's parameters once (each Linear: split or whole, weight and bias),
+    # HINT: multiply by the stage's number of blocks, then add what the stage's ends hold
     raise NotImplementedError("exercise: write params_per_rank (see its docstring)")
 
-# minitrain-exercises-hash: 7175fc8bf829f512
+# minitrain-exercises-hash: 4cfedf192f57db55

@@ -21,13 +21,16 @@ def gpt_num_params(config: GPTConfig) -> int:
 
     With h = d_model, f = d_ff, v = vocab_size, s = seq_len, L = n_layer:
     embeddings v*h + s*h; per block 4h^2 + 2hf weights (attention q, k, v, out and
-    the MLP's two matrices) plus, with biases, 4h + f + h (Linear biases) + 4h
-    (two LayerNorms' gain and bias); the final LayerNorm; the LM head v*h unless
-    tied. For f = 4h and biases: v*h + s*h + L*(12h^2 + 13h) + 2h (+ v*h).
-    Kaplan et al. 2020, Table 1, count the same terms.
+    the MLP's two matrices) and the two LayerNorms' gains 2h (always there), plus, with
+    biases (``config.bias``), 4h + f + h (Linear biases) + 2h (the LayerNorms' biases); the
+    final LayerNorm (gain, and bias with biases); the LM head v*h (no bias) unless tied
+    (``config.tie_weights``: the head *is* the token embedding, counted once). For f = 4h
+    and biases: v*h + s*h + L*(12h^2 + 13h) + 2h (+ v*h). Kaplan et al. 2020, Table 1,
+    count the same terms. Returns an int equal to ``sum(p.numel() for p in
+    GPT(config).parameters())``.
     """
     ### BEGIN SOLUTION
-    # HINT: count each nn.Linear (weight in*out, bias out) and nn.LayerNorm (gain h, bias h)
+    # HINT: count one block, then multiply; bias=False removes biases only, never gains
     h, f, v, s, L = (config.d_model, config.d_ff, config.vocab_size, config.seq_len, config.n_layer)
     b = 1 if config.bias else 0
     attention = 4 * h * h + b * 4 * h  # q, k, v, out projections
@@ -59,7 +62,8 @@ def estimate_training_memory(num_params: int, precision: str = "fp32") -> dict:
     if isinstance(num_params, float) and num_params.is_integer():
         num_params = int(num_params)  # 7e9 is a fine way to write seven billion
     ### BEGIN SOLUTION
-    # HINT: validate the inputs, then multiply bytes-per-parameter by num_params for each part
+    # HINT: first reject what cannot be counted (say which input and why); then every part
+    # HINT: is bytes per parameter times the count
     if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params must be a non-negative int, got {num_params!r}")
     if precision not in BYTES_PER_PARAMETER:
@@ -133,4 +137,4 @@ def accumulate_gradients(model, micro_batches, loss_fn=None) -> float:
     return mean_loss
     ### END SOLUTION
 
-# minitrain-exercises-hash: 4818a3c89c5cf710
+# minitrain-exercises-hash: fc600c13432a83ec

@@ -32,6 +32,17 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
     own input chunk to it. After the last step the chunk it completes is chunk r.
     Each rank sends n - |chunk r| elements. ``output`` may be a view of ``input``'s
     chunk r (ring_all_reduce relies on that). Returns ``output``.
+
+    With one rank (N = 1) there are no steps and nothing is sent, but ``output`` must still
+    receive the sum — the input itself, copied (DataParallel on one rank runs this path).
+
+    May use: ``ring_neighbours(group)`` (predecessor, successor),
+    ``exchange(send, to, recv, frm, group)`` (sends and receives at once, counting the
+    bytes sent), ``scratch_buffers(n, like)`` (two scratch tensors of n elements),
+    ``sizes`` (every chunk's length). Requirements and why: never write into ``input``
+    (the caller still needs it, and ``output`` may alias chunk r of it), and send with
+    ``exchange`` (sending and receiving together cannot deadlock, and the grader counts
+    its bytes).
     """
     name = "ring_reduce_scatter"
     flat_in, flat_out = _flat(input, name, "input"), _flat(output, name, "output")
@@ -45,10 +56,9 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
             f"input of {flat_in.numel()} elements over {world} ranks has {sizes[rank]}"
         )
     ### BEGIN SOLUTION
-    # HINT: chunks = flat_in.tensor_split(world); prev_rank, next_rank = ring_neighbours(group)
-    # HINT: two scratch buffers of max(sizes) elements, one to receive into, one to add into:
-    # HINT: recv_buf, acc_buf = scratch_buffers(max(sizes), input)
-    # HINT: exchange(send, next_rank, recv, prev_rank, group) sends and receives at the same time
+    # HINT: the partial sum you pass on cannot live in the input (it must stay unmodified) nor
+    # HINT: in the buffer you are receiving into: one scratch buffer receives, another holds
+    # HINT: the sum being sent; only the last step's sum goes into output
     chunks = flat_in.tensor_split(world)
     prev_rank, next_rank = ring_neighbours(group)
     if world == 1:
@@ -111,8 +121,8 @@ def ring_all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None) -> 
     """
     flat = _flat(tensor, "ring_all_reduce", "tensor")
     ### BEGIN SOLUTION
-    # HINT: rank r's chunk of the tensor can be both the output of the reduce-scatter and the
-    # HINT: input of the all-gather: mine = flat.tensor_split(world)[rank]
+    # HINT: what the reduce-scatter leaves on rank r is exactly what the all-gather needs from
+    # HINT: rank r — and it may stay where it is, inside the tensor: no copy, no new buffer
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     mine = flat.tensor_split(world)[rank]
     ring_reduce_scatter(mine, flat, group)
@@ -132,7 +142,8 @@ def assign_buckets(params: list[torch.Tensor], bucket_cap_bytes: float) -> list[
     ``params``: e.g. sizes [4, 4, 4] bytes with a cap of 8 give [[2, 1], [0]].
     """
     ### BEGIN SOLUTION
-    # HINT: for i in reversed(range(len(params))): bytes of a tensor = p.numel() * p.element_size()
+    # HINT: walk the parameters in the order their gradients arrive in backward, which is not
+    # HINT: the order they are listed in; count bytes, not elements
     buckets, current, current_bytes = [], [], 0
     for i in reversed(range(len(params))):
         p = params[i]
@@ -155,17 +166,34 @@ class DataParallel:
 
     def _on_grad_ready(self, param):
         """Autograd calls this (via ``register_post_accumulate_grad_hook``, which passes the
-        *parameter*) once ``param.grad`` holds this backward's gradient.
+        *parameter*) once ``param.grad`` holds this backward's gradient; returns nothing.
 
-        Unless synchronisation is off (``self._sync_enabled``), call ``self._start_sync()``,
-        copy the gradient, divided by ``self.world_size``, into its slot of the bucket
-        buffer (``bucket, k = self._location[param]``; ``bucket.view(k)``), remember the
-        parameter in ``self._ready`` and count it in ``bucket.ready``. If ``self.overlap``,
-        call ``self._launch_ready_buckets()`` — it starts the all-reduce of every full
-        bucket, in bucket order.
+        What it must achieve: ``param``'s gradient, averaged over the ranks, reaches its slot
+        of its bucket, and a bucket's all-reduce starts as soon as the bucket is full.
+
+        May use: ``self._sync_enabled`` (False inside ``no_sync()``), ``self._start_sync()``
+        (arranges the end-of-backward synchronisation; call it once a gradient will be
+        synchronised), ``self._location[param]`` (its bucket and its index k there;
+        ``bucket.view(k)`` is that slot of the flat buffer, same dtype as the gradient),
+        ``self._ready`` (the set of parameters whose gradient is in place), ``bucket.ready``
+        (how many of the bucket's parameters are in place), ``self.world_size``,
+        ``self.overlap`` and ``self._launch_ready_buckets()`` (launches every full bucket, in
+        bucket order).
+
+        Requirements and why:
+        - inside ``no_sync()`` nothing happens: gradient accumulation keeps the local sum and
+          communicates once, at the last micro-batch (the point of ``no_sync``);
+        - the all-reduce sums, so the average needs a division by the world size — done
+          before the sum, as torch DDP does, so the buffer never holds W times a gradient
+          (in fp16 that could overflow);
+        - launch only through ``_launch_ready_buckets``, never a bucket directly: every rank
+          must issue its all-reduces in the same (bucket) order, or collectives pair up wrong
+          and deadlock; with ``overlap`` off nothing launches here (the end-of-backward
+          callback launches everything).
         """
         ### BEGIN SOLUTION
-        # HINT: dividing before the sum is what torch DDP does: the average is then the all-reduce
+        # HINT: check the no_sync case first; each other call is one slot filled and one
+        # HINT: more parameter counted ready in its bucket
         if not self._sync_enabled:
             return
         self._start_sync()
@@ -182,4 +210,4 @@ class DataParallel:
             self._launch_ready_buckets()
         ### END SOLUTION
 
-# minitrain-exercises-hash: 9c8af14186db19ce
+# minitrain-exercises-hash: 2a0e6513fe0b0a16

@@ -29,7 +29,8 @@ def partition_parameters(sizes: list[int], world_size: int) -> list[list[int]]:
     (8 and 6 elements; the best split is 7 and 7: greedy's largest load is within 4/3 of the best).
     """
     ### BEGIN SOLUTION
-    # HINT: loads = [0] * world_size; min(range(world_size), key=lambda r: (loads[r], r))
+    # HINT: keep a running load per rank; the order in which you place the parameters and how
+    # HINT: you break ties between equally loaded ranks both matter (the answer is unique)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     loads, owned = [0] * world_size, [[] for _ in range(world_size)]
@@ -47,17 +48,26 @@ class ShardedOptimizer:
     def step(self, closure=None):
         """The ZeRO-1 step: update this rank's share, then let every rank see all updates.
 
-        1. copy the hyperparameters of ``self.param_groups`` (a scheduler may have changed
-           "lr") into ``self.optimizer.param_groups`` (same order), except "params";
-        2. ``self.optimizer.step()``: this rank's parameters only;
-        3. share: every rank packs its owned parameters (``self.owned[self.rank]``, indices
-           into the flat list of all parameters) into a buffer padded to the largest share,
-           one all-gather (``all_gather_tensor``) of the N buffers, then every rank copies each
-           owner's values into its parameters. Count it: ``count_sent("all_gather", bytes, N)``.
-        Runs ``closure`` (with grad enabled) first if given and returns its loss.
+        Returns ``closure()``'s loss if a closure is given (run it first, with grad enabled),
+        else None. May use: ``self.param_groups`` (what the caller and a scheduler see and
+        change), ``self.optimizer`` (the local optimizer over this rank's parameters only; its
+        own ``param_groups``, in the same order), ``self.owned[r]`` (indices, into the flat
+        list of all parameters of ``self.param_groups``, of the parameters rank r updates),
+        ``self.rank``, ``self.world_size``, ``self.group``, ``all_gather_tensor(output,
+        input, group=...)`` (every rank's equal-sized input, concatenated in rank order) and
+        ``count_sent("all_gather", buffer_bytes, N)`` (counts a collective on a buffer).
+
+        Requirements and why:
+        - the local optimizer must step with the hyperparameters the caller sees: a scheduler
+          changes ``self.param_groups`` ("lr", but also "weight_decay", ...) — copy every key
+          but "params" before stepping;
+        - after the step every rank holds every updated parameter: one all-gather, all ranks
+          sending the same number of elements (so the shares are padded to the largest);
+        - count the bytes with the *full* buffer (the all-gather's output), as ``count_sent``
+          expects, so the log matches chapter 4's (N-1)/N formula.
         """
         ### BEGIN SOLUTION
-        # HINT: sizes = [[every[i].numel() for i in o] for o in self.owned]; width = max(map(sum, sizes))
+        # HINT: an all-gather needs equal pieces: every rank pads its share to the largest one
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -94,10 +104,18 @@ class ZeroDataParallel:
     def _pre_forward(self, index):
         """Stage 3, before block ``index``'s forward: make its parameters whole, prefetch the next.
 
-        Wait for unit ``self.units[index]`` (``self._wait_gather``: it starts the gather if
-        the prefetch did not), then start (don't wait for) the gather of block ``index + 1``,
-        if there is one, so it overlaps this block's compute. Record when the block's compute
-        starts: ``self._block_start = trace.now()``.
+        ``index``: the block about to run (0 .. len(self.blocks) - 1); returns nothing.
+        May use: ``self.units[i]`` (block i's unit of sharded parameters),
+        ``self._start_gather(unit)`` (launches its asynchronous all-gather; does nothing if one
+        is in flight or done), ``self._wait_gather(unit)`` (starts it if needed, blocks until
+        the parameters are whole), ``self.blocks``, ``trace.now()``; set
+        ``self._block_start`` to when the block's compute starts (``_post_forward`` records
+        the span from it).
+
+        Requirements and why: block ``index`` cannot compute before its own parameters are
+        whole; block ``index + 1``'s gather must be *in flight* — started, not waited for —
+        while block ``index`` computes, so the transfer hides behind the compute (Rajbhandari
+        et al. 2020, section 5.2: prefetching); waiting for it here would serialise them again.
         """
         ### BEGIN SOLUTION
         # HINT: self._start_gather(unit) launches an asynchronous all-gather
@@ -110,11 +128,17 @@ class ZeroDataParallel:
     def _post_forward(self, index, output):
         """Stage 3, after block ``index``'s forward: free its parameters, arrange the re-gather.
 
-        Record the block's compute (``trace.record(f"forward block {index}", "compute",
-        self._block_start, trace.now())``), free unit ``self.units[index]`` (``self._free``),
-        and, if grad is enabled and ``output`` requires grad, register a hook on ``output``
-        that calls ``self._pre_backward(index)``: backward reaches a block's output just before
-        it runs the block's own backward, which needs the parameters again.
+        ``output``: what the block returned (a tensor here). Returns nothing.
+        May use: ``trace.record(name, "compute", start, end)`` (record the block's compute as
+        ``f"forward block {index}"`` from ``self._block_start`` to now), ``self._free(unit)``,
+        ``self.units[index]``, ``self._pre_backward(index)`` (gathers the unit again),
+        ``torch.is_grad_enabled()``.
+
+        Requirements and why: free the unit at once — holding every block's full parameters
+        is exactly the memory ZeRO-3 saves; backward will need them again just before the
+        block's own backward runs, which is when backward reaches the block's *output*: arrange
+        for ``self._pre_backward(index)`` to run then (only when there will be a backward:
+        grad enabled and an output that requires grad).
         """
         ### BEGIN SOLUTION
         # HINT: output.register_hook(fn) calls fn(grad) when the gradient of output is known
@@ -131,11 +155,15 @@ class FullyShardedDataParallel:
     def _pre_forward(self, index):
         """Before unit ``index``'s forward (Zhao et al. 2023): its parameters whole.
 
-        Launch, in unit order, the gathers up to the *next* unit (``self._gather_in_order(
-        index + 1)``: this unit's, if no prefetch did, and the next one's, so it travels while
-        this unit computes: forward prefetching); free the earlier units (``self._free``: a branch may have
-        skipped one, then its prefetched gather is still held); wait for this unit's gather
-        (``self._wait_gather``); note the start: ``self._unit_start = trace.now()``.
+        Returns nothing. May use: ``self._gather_in_order(i)`` (launches, in unit order, every
+        gather not yet launched up to unit i — never out of order, so all ranks issue the same
+        collectives), ``self._wait_gather(unit)``, ``self._free(unit)`` (both accept None),
+        ``self.units``, ``trace.now()``; set ``self._unit_start`` when the unit's compute starts.
+
+        Requirements and why: this unit's parameters whole before it computes; the *next*
+        unit's gather launched too, so it travels while this one computes (forward
+        prefetching); every earlier unit freed — a branch not taken may have skipped a unit
+        whose prefetched gather is still held, and only this hook can return that memory.
         """
         ### BEGIN SOLUTION
         # HINT: self.units[:index] are the earlier units; _free and _wait_gather accept None
@@ -149,11 +177,16 @@ class FullyShardedDataParallel:
     def _post_forward(self, index, output):
         """After unit ``index``'s forward: record it, free it, and arrange its re-gather.
 
-        ``trace.record(f"forward block {index}", "compute", self._unit_start, trace.now())``,
-        free ``self.units[index]`` (``self._free``), and if grad is enabled, register on every
-        tensor of ``output`` that requires grad (``tensors_requiring_grad(output)``: the
-        output may be a tuple) a hook calling ``self._pre_backward(index)``, which gathers the
-        unit again just before its backward runs.
+        ``output``: what the unit returned — a tensor, or a tuple/list/dict of them (a block
+        may return ``(hidden, extra)``). Returns nothing. May use: ``trace.record(f"forward
+        block {index}", "compute", self._unit_start, trace.now())``, ``self._free(unit)``,
+        ``self._pre_backward(index)`` (gathers the unit again), ``tensors_requiring_grad(
+        output)`` (every tensor in it that requires grad), ``torch.is_grad_enabled()``.
+
+        Requirements and why: free the unit now (that is FSDP's memory saving); backward
+        reaches the unit through *any* of its outputs, so each one that requires grad must
+        trigger ``_pre_backward(index)`` — hooking only a single tensor misses tuples, and
+        backward then runs on freed parameters.
         """
         ### BEGIN SOLUTION
         # HINT: tensor.register_hook(fn) calls fn(grad) when backward reaches that tensor
@@ -166,13 +199,20 @@ class FullyShardedDataParallel:
     def _launch_reduce_scatter(self, u):
         """Start the averaging of unit ``u``'s complete fp32 gradient ``u.grad_full``.
 
-        A sharded unit: reduce-scatter it into a new tensor of ``u.shard_numel`` elements
-        (``reduce_scatter_tensor(out, u.grad_full, group=self.group, async_op=True)``): rank
-        r receives the sum of slice r. The replicated unit (``u.keep_full``): all-reduce
-        ``u.grad_full`` in place (``out`` is then ``u.grad_full`` itself). Count the bytes
-        (``count_sent(kind, u.padded * 4, self.world_size)``: 4 bytes, fp32; "reduce_scatter" or
-        "all_reduce"), and append ``(u, out, timed(work), start time)`` to ``self._pending``;
-        the end of backward waits for them and divides by N.
+        ``u.grad_full``: the flat gradient of the whole unit (``u.padded`` elements, fp32);
+        returns nothing. What each rank must end up with: a sharded unit, the sum over ranks
+        of *its* slice only (``u.shard_numel`` elements, in a new tensor); the replicated unit
+        (``u.keep_full``: parameters every rank keeps whole), the sum of the whole gradient
+        (in place). May use: ``reduce_scatter_tensor(out, input, group=..., async_op=True)``,
+        ``dist.all_reduce(tensor, group=..., async_op=True)`` (both return a work handle),
+        ``timed(work)``, ``count_sent(kind, buffer_bytes, N)`` (kind "reduce_scatter" or
+        "all_reduce", the full buffer's bytes), ``trace.now()``, ``self.group``,
+        ``self.world_size``.
+
+        Requirements and why: launch asynchronously and do not wait — the reduction overlaps
+        the rest of backward; hand the result over by appending ``(u, out, timed(work),
+        start time)`` to ``self._pending`` (the end of backward waits for each, divides by N
+        and stores it); count bytes, not elements (the log compares with bandwidth).
         """
         ### BEGIN SOLUTION
         # HINT: dist.all_reduce(tensor, group=..., async_op=True) returns a work handle too
@@ -187,4 +227,4 @@ class FullyShardedDataParallel:
         self._pending.append((u, out, timed(work), start))
         ### END SOLUTION
 
-# minitrain-exercises-hash: fe0e5802472297e6
+# minitrain-exercises-hash: 24559e4ec873c726

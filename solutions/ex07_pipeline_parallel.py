@@ -58,11 +58,22 @@ def run_action(stage: PipelineStage, action: tuple, state: StepState) -> None:
       into the input only, keep the graph (``retain_graph=True``) and park the gradient in
       ``state.pending_w`` for W; otherwise drop the saved pair.
     - ``("W", mb[, c])``: backpropagate the parked gradient into the chunk's parameters
-      (``stage.chunk_parameters(c)``) and drop the saved pair.
+      (``stage.chunk_parameters(c)``) and drop the saved pair. When the backward was not
+      split (``state.split_backward`` False: a schedule with W run with checkpointing, as
+      notebook 07 does) B did all the work and W does nothing.
+
+    Returns nothing; everything lives in ``state`` (``inputs``, ``saved``, ``pending_w``,
+    ``split_backward``). May use: ``stage.virtual_stage(c)``, ``stage.is_first(c)``,
+    ``stage.is_last(c)``, ``stage.forward(c, mb, x, state)``, ``stage.backward(name, out,
+    grad, inputs=None, retain_graph=False)``, ``stage.send(kind, mb, tensor, to_virtual,
+    state)``, ``stage.recv(kind, mb, from_virtual, state, like=None)``,
+    ``stage.chunk_parameters(c)``. Why the received activation must require grad: backward
+    stops at leaves that do not, and the previous stage waits for that input's gradient.
     """
     ### BEGIN SOLUTION
-    # HINT: v = stage.virtual_stage(c); activations go to v + 1, gradients to v - 1
-    # HINT: stage.send(kind, mb, tensor, to_virtual, state) / stage.recv(kind, mb, from_virtual, state, like=...)
+    # HINT: a chunk is one virtual stage: activations flow to the next virtual stage,
+    # HINT: gradients to the previous; the first has no one to receive from, the last no
+    # HINT: one to send to
     kind, mb = action[0], action[1]
     c = action[2] if len(action) > 2 else 0
     v, key = stage.virtual_stage(c), (mb, c)
@@ -94,16 +105,26 @@ def run_action(stage: PipelineStage, action: tuple, state: StepState) -> None:
 
 
 def bubble_fraction(schedule, num_chunks: int = 1) -> Fraction:
-    """The idle fraction of ``schedule`` under unit stage costs: every action of a stage (F,
-    B or W) takes 1, a chunk's 1/v. Run the schedule in time: each stage runs its actions in
-    order, an action starting when its stage is free and every action it depends on
-    (``dependencies(action, stage, p, v)``: keys ``(kind, mb, chunk, stage)``) has finished.
-    Return 1 - (total busy time of all stages) / (p x makespan) as a Fraction; raise
-    ScheduleError if no stage can go on (a deadlock). Narayanan et al. 2021, section 2.2.
+    """The idle fraction of ``schedule`` under unit stage costs, as an exact ``Fraction``.
+
+    ``schedule``: one list of actions per stage (``("F", mb)``, ``("B", mb)``, ``("W", mb)``,
+    or with a chunk index for interleaved schedules, ``num_chunks`` = v chunks per stage).
+    Every action costs 1 (a chunk's action 1/v). The rules of time: a stage runs its own
+    actions in the listed order, one at a time; an action can start only once every action
+    it depends on has finished — ``dependencies(action, stage, p, v)`` lists them as keys
+    ``(kind, mb, chunk, stage)``. The bubble is the share of the p x makespan stage-time
+    that no action fills (Narayanan et al. 2021, section 2.2). A schedule in which no stage
+    can go on deadlocks: raise ``ScheduleError`` saying so.
+
+    Requirements and why: compute it by running the schedule (not by p and m — the formulas
+    (p-1)/(m+p-1) only hold for GPipe and 1F1B, and this must also judge zero bubble and
+    interleaved schedules, and schedules a learner writes); exact fractions so a bubble of
+    1/7 compares equal to 1/7.
     """
     ### BEGIN SOLUTION
-    # HINT: keep per stage the time it becomes free and the index of its next action;
-    # HINT: sweep the stages repeatedly, running each next action whose dependencies finished.
+    # HINT: an action's finish time depends only on its stage's previous action and on its
+    # HINT: dependencies' finish times: record each as it becomes computable, and notice when
+    # HINT: a whole pass over the stages computes nothing
     p, cost = len(schedule), Fraction(1, num_chunks)
     finish, free, position = {}, [Fraction(0)] * p, [0] * p
     while any(position[s] < len(schedule[s]) for s in range(p)):
@@ -125,4 +146,4 @@ def bubble_fraction(schedule, num_chunks: int = 1) -> Fraction:
     return 1 - busy / (p * max(free))
     ### END SOLUTION
 
-# minitrain-exercises-hash: 1c84269bb55c1f32
+# minitrain-exercises-hash: 8d7f05fd53201214

@@ -51,7 +51,8 @@ def sort_by_expert(rows: torch.Tensor, expert_of_row: torch.Tensor, num_experts:
     Differentiable in ``rows``.
     """
     ### BEGIN SOLUTION
-    # HINT: torch.argsort(..., stable=True); torch.bincount(..., minlength=num_experts)
+    # HINT: one sort of the expert ids gives the permutation — ties are the rule here, and
+    # HINT: their order must not be left to chance; a count per expert must include empty ones
     order = torch.argsort(expert_of_row, stable=True)
     counts = torch.bincount(expert_of_row, minlength=num_experts)
     return rows[order], order, counts
@@ -65,7 +66,7 @@ def unsort(sorted_rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     Differentiable in ``sorted_rows`` (its gradient is the forward permutation).
     """
     ### BEGIN SOLUTION
-    # HINT: write row i to position order[i]: index_copy along dimension 0
+    # HINT: row i goes back to position order[i]: a write at indices, not a read at them
     out = sorted_rows.new_zeros(sorted_rows.shape)
     return out.index_copy(0, order, sorted_rows)
     ### END SOLUTION
@@ -82,13 +83,16 @@ def load_balancing_loss(router_probs: torch.Tensor, expert_indices: torch.Tensor
     tokens (differentiable: the gradient pushes probability away from busy experts).
     Both sum to 1, so the loss is exactly 1.0 when both are uniform (1/N each), and N when
     every token and all probability go to one expert.
+
+    Returns a 0-dim tensor in ``router_probs``' dtype that requires grad when
+    ``router_probs`` does (the loss exists to train the router: never detach P).
     """
     if router_probs.dim() != 2 or router_probs.shape[1] != num_experts:
         raise ValueError(f"router_probs must be (tokens, {num_experts}), got "
                          f"{tuple(router_probs.shape)}")
     ### BEGIN SOLUTION
-    # HINT: f = bincount of the flattened indices (minlength=num_experts) / their number
-    # HINT: P = router_probs.mean over the tokens; the loss is num_experts * (f * P).sum()
+    # HINT: f counts assignments (every one of the T·k, experts with none included), P
+    # HINT: averages probabilities over tokens; only P carries the gradient
     flat = expert_indices.reshape(-1)
     counts = torch.bincount(flat, minlength=num_experts).to(router_probs.dtype)
     f = counts / max(flat.numel(), 1)
@@ -96,4 +100,4 @@ def load_balancing_loss(router_probs: torch.Tensor, expert_indices: torch.Tensor
     return num_experts * (f * p).sum()
     ### END SOLUTION
 
-# minitrain-exercises-hash: 2e30b7c5a626dd2b
+# minitrain-exercises-hash: 6375907c64940196

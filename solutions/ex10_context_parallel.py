@@ -26,11 +26,19 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     Scores can be large (lse of 1000 is ordinary with unscaled logits): ``e^{lse}``
     overflows float32 above 88, so work with ``e^{lse_x − m}``, m = max(lse_a, lse_b),
     never with ``e^{lse_x}`` itself. Where both are ``-inf`` the result is out = 0,
-    lse = -inf (a query that has seen no key yet).
+    lse = -inf (a query that has seen no key yet). ``out`` keeps ``out_a``'s dtype, ``lse``
+    its own.
+
+    Requirements and why: merging A with B or B with A gives the same result (ring attention
+    merges blocks in whatever order they arrive); ``lse`` is the union's, so the next merge
+    can weigh this result against the next block.
     """
     ### BEGIN SOLUTION
-    # HINT: m = torch.maximum(lse_a, lse_b); the weights are exp(lse_a - m) and exp(lse_b - m)
-    # HINT: lse = m + log(w_a + w_b); out = (out_a * w_a + out_b * w_b) / (w_a + w_b)
+    # HINT: each side's share of the union's denominator is e^{lse_x - m}, with m the larger
+    # HINT: lse; the shares are one number per query, shape (..., n): line them up with the
+    # HINT: outputs' (..., n, d) before weighing (when n == d, broadcasting silently pairs a
+    # HINT: query's share with a feature instead); where both sides are empty the total share
+    # HINT: is 0 — the result must be 0 and -inf there, never NaN
     m = torch.maximum(lse_a, lse_b)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # both -inf: keep exp finite
     w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
@@ -54,10 +62,19 @@ def ring_step(qs, q_chunks, kv, kv_chunks, outs, lses, causal, group: ProcessGro
     needed (query chunk, key chunk) pair with ``flash_attention_forward`` (``causal_blocks``
     says which, and where the causal mask applies); merge into ``outs``/``lses`` with
     ``merge_attention``; then wait for the block from the previous rank and return it.
+
+    May use: ``Exchange(tensor, group, what)`` (starts the send and receive; ``.wait()``
+    returns the received tensor), ``causal_blocks(q_chunks, kv_chunks, causal)`` (yields
+    ``(i, j, diagonal)``), ``flash_attention_forward(q, k, v, causal=...)`` (returns
+    ``(out, lse)``), ``merge_attention``. Why the order matters: ring attention is only as
+    fast as one rank's compute if each transfer hides behind it (Liu et al. 2023, section 3);
+    the last step (``send=False``) sends nothing and returns None.
     """
     ### BEGIN SOLUTION
-    # HINT: exchange = Exchange(kv, group) if send else None, then compute, then exchange.wait()
-    # HINT: kv[0].chunk(len(kv_chunks), dim=-2) gives the key chunks
+    # HINT: the order of three things is the exercise: start the transfer, compute, then
+    # HINT: wait — waiting before computing is correct but leaves the rank idle throughout
+    # HINT: the block in hand holds len(kv_chunks) equal key (and value) chunks along the
+    # HINT: sequence dimension
     exchange = Exchange(kv, group, "forward K,V") if send else None
     ks, vs = kv[0].chunk(len(kv_chunks), dim=-2), kv[1].chunk(len(kv_chunks), dim=-2)
     with trace.span("attention block", "compute"):
@@ -70,4 +87,4 @@ def ring_step(qs, q_chunks, kv, kv_chunks, outs, lses, causal, group: ProcessGro
     return exchange.wait() if exchange is not None else None
     ### END SOLUTION
 
-# minitrain-exercises-hash: b774544c202eaf24
+# minitrain-exercises-hash: 83cce8249b7efac7

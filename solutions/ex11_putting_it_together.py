@@ -68,14 +68,21 @@ def params_per_rank(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0)
     """Exact number of parameters pipeline stage ``stage`` of ``pp`` holds on one of ``tp``
     tensor-parallel ranks, for the course's GPT split as chapters 6 and 7 split it.
 
-    Column-parallel Linears (q, k, v, fc_in, the head) keep 1/t of their weight and bias;
-    row-parallel ones (out_proj, fc_out) 1/t of their weight and a *whole* bias; LayerNorms
-    and the position table are replicated; the token embedding keeps 1/t of its rows. Stage 0
-    holds the embeddings, the last stage ln_f and the head, and the blocks are cut as
+    Column-parallel Linears (q, k, v, fc_in, the head) keep 1/t of their weight and of their
+    bias, if they have one (the head has none); row-parallel ones (out_proj, fc_out) 1/t of
+    their weight and a *whole* bias (added once, after the sum); LayerNorms and the position
+    table are replicated; the token embedding keeps 1/t of its rows. Stage 0 holds the
+    embeddings, the last stage ln_f and the head, and the blocks are cut as
     ``minitrain.pipeline.split_blocks`` cuts them (extras to the first stages).
+    ``config.bias`` False removes the biases only (a LayerNorm keeps its gain);
+    ``config.tie_weights`` makes the head the token embedding itself: one matrix, counted
+    once (pipelines refuse tied weights, so it only happens with pp = 1).
+    Returns an int, exactly what ``sum(p.numel() for p in stage.parameters())`` gives on
+    such a rank.
     """
     ### BEGIN SOLUTION
-    # HINT: count one block's parameters with h = d_model, f = d_ff, then add the stage's ends
+    # HINT: count one block's parameters once (each Linear: split or whole, weight and bias),
+    # HINT: multiply by the stage's number of blocks, then add what the stage's ends hold
     h, f, v, t = config.d_model, config.d_ff, config.vocab_size, tp
     b = 1 if config.bias else 0
     attention = 4 * h * h // t + b * (3 * h // t + h)
@@ -85,8 +92,8 @@ def params_per_rank(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0)
     if stage == 0:
         total += v * h // t + config.seq_len * h
     if stage == pp - 1:
-        total += (h + b * h) + v * h // t
+        total += (h + b * h) + (0 if config.tie_weights else v * h // t)
     return total
     ### END SOLUTION
 
-# minitrain-exercises-hash: d7589107dbe03f28
+# minitrain-exercises-hash: 5679a6d2cdb6b8b8

@@ -68,6 +68,9 @@ CP_TESTS = "tests/test_context_parallel.py"
 CP_GRADED = "tests/grading/test_ch10_context_parallel.py"
 GRAD_NORM, TRAINER = "minitrain/parallel/grad_norm.py", "minitrain/parallel/trainer.py"
 CLIPPING, PRECISION_TESTS = "tests/test_train_clipping.py", "tests/test_train_precision.py"
+G = "tests/grading/"  # issue 32: the graded tests of each chapter
+G4, G5 = G + "test_ch04_collectives_and_ddp.py", G + "test_ch05_zero.py"
+G7, G9 = G + "test_ch07_pipeline_parallel.py", G + "test_ch09_flash_attention.py"
 MUTATIONS = [
     Mutation(
         "no_sync no-op",
@@ -1033,6 +1036,120 @@ MUTATIONS = [
         "    return all(t.dtype == acc_dtype for t in tensors)",
         "    return False",
         ["tests/test_perf_flash.py::test_fp32_runs_the_fused_tiles_and_bf16_the_readable_ones"],
+    ),
+    Mutation(
+        "DDP hook without the no_sync guard",
+        DDP,
+        "        if not self._sync_enabled:\n            return\n        self._start_sync()",
+        "        self._start_sync()",
+        [G4 + "::test_no_sync_accumulates_without_communicating"],
+    ),
+    Mutation(
+        "run_action: W with no parked gradient",
+        "minitrain/pipeline/executor.py",
+        'elif kind == "W" and key in state.pending_w:',
+        'elif kind == "W":',
+        [G7 + "::test_run_action_trains_like_one_process"],
+    ),
+    Mutation(
+        "online softmax: p @ v uncast",
+        "minitrain/flash_attention/tiles.py",
+        "(p.to(v.dtype) @ v).to(acc.dtype)",
+        "(p @ v)",
+        [G9 + "::test_bf16_values_accumulate_in_fp32"],
+    ),
+    Mutation(
+        "ring_step waits before computing",
+        "minitrain/context_parallel/ring.py",
+        '    exchange = Exchange(kv, group, "forward K,V") if send else None\n',
+        '    exchange = Exchange(kv, group, "forward K,V") if send else None\n'
+        "    if exchange is not None:\n"
+        "        exchange.received, exchange.requests = exchange.wait(), []\n",
+        [CP_GRADED + "::test_ring_attention_with_your_step_equals_full_attention"],
+    ),
+    Mutation(
+        "merge_attention without unsqueeze",
+        "minitrain/context_parallel/merge.py",
+        "out = (out_a * w_a.unsqueeze(-1) + out_b * w_b.unsqueeze(-1)) / safe.unsqueeze(-1)",
+        "out = (out_a * w_a + out_b * w_b) / (w_a + w_b)",
+        [CP_GRADED + "::test_merge_equals_attention_over_the_union"],
+    ),
+    Mutation(
+        "params_per_rank counts a tied head twice",
+        "minitrain/parallel/planner.py",
+        "(0 if config.tie_weights else v * h // t)",
+        "v * h // t",
+        [G + "test_ch11_putting_it_together.py::test_params_per_rank_equals_the_real_model"],
+    ),
+    Mutation(
+        "estimate_training_memory: KeyError for an unknown precision",
+        "minitrain/memory/formulas.py",
+        "    if precision not in BYTES_PER_PARAMETER:\n        raise ValueError(",
+        "    if False:\n        raise ValueError(",
+        [G + "test_ch01_single_device.py::test_estimate_training_memory_rejects_bad_input"],
+    ),
+    Mutation(
+        "ZeRO-1 step ignores a changed learning rate",
+        "minitrain/zero/optimizer.py",
+        '            local.update({k: v for k, v in mine.items() if k != "params"})',
+        "            pass",
+        [G5 + "::test_zero1_step_follows_a_changed_learning_rate"],
+    ),
+    Mutation(
+        "ZeRO-1 step counts the input share's bytes",
+        "minitrain/zero/optimizer.py",
+        'count_sent("all_gather", gathered.numel() * gathered.element_size(), self.world_size)',
+        'count_sent("all_gather", packed.numel() * packed.element_size(), self.world_size)',
+        [G5 + "::test_zero1_step_matches_adamw"],
+    ),
+    Mutation(
+        "ZeRO-3 waits for the prefetch",
+        ZERO,
+        "            self._start_gather(self.units[index + 1])",
+        "            self._wait_gather(self.units[index + 1])",
+        [G5 + "::test_stage3_pre_forward_gathers"],
+    ),
+    Mutation(
+        "FSDP _post_forward: single-tensor outputs only",
+        FSDP,
+        "        for t in tensors_requiring_grad(output) if torch.is_grad_enabled() else []:",
+        "        for t in [output] if torch.is_grad_enabled() and isinstance(output, torch.Tensor) else []:",
+        [G5 + "::test_fsdp_post_forward_with_tuple_outputs"],
+    ),
+    Mutation(
+        "sort_by_expert: unstable sort",
+        "minitrain/moe/dispatch.py",
+        "torch.argsort(expert_of_row, stable=True)",
+        "torch.argsort(expert_of_row)",
+        [G + "test_ch08_mixture_of_experts.py::test_sort_by_expert"],
+    ),
+    Mutation(
+        "load_balancing_loss: detached P",
+        "minitrain/moe/losses.py",
+        "p = router_probs.mean(dim=0)",
+        "p = router_probs.detach().mean(dim=0)",
+        [G + "test_ch08_mixture_of_experts.py::test_load_balancing_loss"],
+    ),
+    Mutation(
+        "ring_reduce_scatter: one rank returns without copying",
+        "minitrain/collectives/ring.py",
+        "    if world == 1:\n        flat_out.copy_(flat_in)\n        return output\n",
+        "    if world == 1:\n        return output\n",
+        [G4 + "::test_ring_reduce_scatter"],
+    ),
+    Mutation(
+        "1F1B warm-up not capped at m",
+        "minitrain/pipeline/schedules.py",
+        "warmup = min(p - s - 1, m)",
+        "warmup = p - s - 1",
+        [G7 + "::test_one_f_one_b_order_bubble_and_memory"],
+    ),
+    Mutation(
+        "grader: every test runs every learner version (no blame isolation)",
+        "minitrain/course/patching.py",
+        "        use = learners if _matches(qualname, exercise) else reference",
+        "        use = learners",
+        ["tests/test_wrong_answer_messages.py::test_a_mistake_costs_only_its_own_exercise"],
     ),
 ]
 

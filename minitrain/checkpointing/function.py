@@ -75,7 +75,8 @@ class CheckpointFunction(torch.autograd.Function):
         """
         ### BEGIN SOLUTION
         # HINT: autograd already runs forward under no_grad, so fn builds no graph here
-        # HINT: ctx.tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+        # HINT: only tensors can be saved for backward; remember where they sat among args so
+        # HINT: backward can rebuild the call with non-tensor arguments in their places
         ctx.fn = fn
         ctx.tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
         ctx.others = [None if torch.is_tensor(a) else a for a in args]

@@ -38,6 +38,17 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
     own input chunk to it. After the last step the chunk it completes is chunk r.
     Each rank sends n - |chunk r| elements. ``output`` may be a view of ``input``'s
     chunk r (ring_all_reduce relies on that). Returns ``output``.
+
+    With one rank (N = 1) there are no steps and nothing is sent, but ``output`` must still
+    receive the sum — the input itself, copied (DataParallel on one rank runs this path).
+
+    May use: ``ring_neighbours(group)`` (predecessor, successor),
+    ``exchange(send, to, recv, frm, group)`` (sends and receives at once, counting the
+    bytes sent), ``scratch_buffers(n, like)`` (two scratch tensors of n elements),
+    ``sizes`` (every chunk's length). Requirements and why: never write into ``input``
+    (the caller still needs it, and ``output`` may alias chunk r of it), and send with
+    ``exchange`` (sending and receiving together cannot deadlock, and the grader counts
+    its bytes).
     """
     name = "ring_reduce_scatter"
     flat_in, flat_out = _flat(input, name, "input"), _flat(output, name, "output")
@@ -51,10 +62,9 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
             f"input of {flat_in.numel()} elements over {world} ranks has {sizes[rank]}"
         )
     ### BEGIN SOLUTION
-    # HINT: chunks = flat_in.tensor_split(world); prev_rank, next_rank = ring_neighbours(group)
-    # HINT: two scratch buffers of max(sizes) elements, one to receive into, one to add into:
-    # HINT: recv_buf, acc_buf = scratch_buffers(max(sizes), input)
-    # HINT: exchange(send, next_rank, recv, prev_rank, group) sends and receives at the same time
+    # HINT: the partial sum you pass on cannot live in the input (it must stay unmodified) nor
+    # HINT: in the buffer you are receiving into: one scratch buffer receives, another holds
+    # HINT: the sum being sent; only the last step's sum goes into output
     chunks = flat_in.tensor_split(world)
     prev_rank, next_rank = ring_neighbours(group)
     if world == 1:
@@ -117,8 +127,8 @@ def ring_all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None) -> 
     """
     flat = _flat(tensor, "ring_all_reduce", "tensor")
     ### BEGIN SOLUTION
-    # HINT: rank r's chunk of the tensor can be both the output of the reduce-scatter and the
-    # HINT: input of the all-gather: mine = flat.tensor_split(world)[rank]
+    # HINT: what the reduce-scatter leaves on rank r is exactly what the all-gather needs from
+    # HINT: rank r — and it may stay where it is, inside the tensor: no copy, no new buffer
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     mine = flat.tensor_split(world)[rank]
     ring_reduce_scatter(mine, flat, group)

@@ -29,11 +29,19 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     Scores can be large (lse of 1000 is ordinary with unscaled logits): ``e^{lse}``
     overflows float32 above 88, so work with ``e^{lse_x − m}``, m = max(lse_a, lse_b),
     never with ``e^{lse_x}`` itself. Where both are ``-inf`` the result is out = 0,
-    lse = -inf (a query that has seen no key yet).
+    lse = -inf (a query that has seen no key yet). ``out`` keeps ``out_a``'s dtype, ``lse``
+    its own.
+
+    Requirements and why: merging A with B or B with A gives the same result (ring attention
+    merges blocks in whatever order they arrive); ``lse`` is the union's, so the next merge
+    can weigh this result against the next block.
     """
     ### BEGIN SOLUTION
-    # HINT: m = torch.maximum(lse_a, lse_b); the weights are exp(lse_a - m) and exp(lse_b - m)
-    # HINT: lse = m + log(w_a + w_b); out = (out_a * w_a + out_b * w_b) / (w_a + w_b)
+    # HINT: each side's share of the union's denominator is e^{lse_x - m}, with m the larger
+    # HINT: lse; the shares are one number per query, shape (..., n): line them up with the
+    # HINT: outputs' (..., n, d) before weighing (when n == d, broadcasting silently pairs a
+    # HINT: query's share with a feature instead); where both sides are empty the total share
+    # HINT: is 0 — the result must be 0 and -inf there, never NaN
     m = torch.maximum(lse_a, lse_b)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # both -inf: keep exp finite
     w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)

@@ -112,10 +112,19 @@ def ring_step(qs, q_chunks, kv, kv_chunks, outs, lses, causal, group: ProcessGro
     needed (query chunk, key chunk) pair with ``flash_attention_forward`` (``causal_blocks``
     says which, and where the causal mask applies); merge into ``outs``/``lses`` with
     ``merge_attention``; then wait for the block from the previous rank and return it.
+
+    May use: ``Exchange(tensor, group, what)`` (starts the send and receive; ``.wait()``
+    returns the received tensor), ``causal_blocks(q_chunks, kv_chunks, causal)`` (yields
+    ``(i, j, diagonal)``), ``flash_attention_forward(q, k, v, causal=...)`` (returns
+    ``(out, lse)``), ``merge_attention``. Why the order matters: ring attention is only as
+    fast as one rank's compute if each transfer hides behind it (Liu et al. 2023, section 3);
+    the last step (``send=False``) sends nothing and returns None.
     """
     ### BEGIN SOLUTION
-    # HINT: exchange = Exchange(kv, group) if send else None, then compute, then exchange.wait()
-    # HINT: kv[0].chunk(len(kv_chunks), dim=-2) gives the key chunks
+    # HINT: the order of three things is the exercise: start the transfer, compute, then
+    # HINT: wait — waiting before computing is correct but leaves the rank idle throughout
+    # HINT: the block in hand holds len(kv_chunks) equal key (and value) chunks along the
+    # HINT: sequence dimension
     exchange = Exchange(kv, group, "forward K,V") if send else None
     ks, vs = kv[0].chunk(len(kv_chunks), dim=-2), kv[1].chunk(len(kv_chunks), dim=-2)
     with trace.span("attention block", "compute"):

@@ -98,7 +98,20 @@ def run_tests(chapters: list[int], source: Path, timeout: float, verbose: bool) 
         return json.loads(report.read_text())
 
 
-def print_table(results: list[dict], title: str) -> tuple[int, int]:
+def file_to_edit(exercise: str, folder: str = "my_exercises") -> str | None:
+    """For a bug hunt's result (exercise "bug hunt: <qualname>"), the learner's file to fix."""
+    from minitrain.course.bughunts import BUG_HUNTS
+
+    if not exercise.startswith("bug hunt: "):
+        return None
+    qualname = exercise.removeprefix("bug hunt: ")
+    stems = [h.stem for h in BUG_HUNTS if h.qualname == qualname]
+    return f"{folder}/{stems[0]}.py" if stems else None
+
+
+def print_table(
+    results: list[dict], title: str, folder: str = "my_exercises"
+) -> tuple[int, int]:
     print(f"\n{title}")
     width = max([len(r["test"]) for r in results] + [4])
     print(f"  {'exercise':<24} {'test':<{width}}  points  result  time")
@@ -112,7 +125,9 @@ def print_table(results: list[dict], title: str) -> tuple[int, int]:
             f"  {r['seconds']:.1f}s"
         )
         if not r["passed"]:
-            print(f"      -> {r['message']}")
+            where = file_to_edit(r["exercise"], folder)
+            fix = f" (a bug hunt: find the broken line and fix it in {where})" if where else ""
+            print(f"      -> {r['message']}{fix}")
     print(f"  score: {got}/{total}")
     return got, total
 
@@ -191,7 +206,9 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         results = run_tests([c], source, args.timeout, args.verbose)
         g, t = print_table(
-            results, f"chapter {c} — {source.name}/{stem}.py ({time.perf_counter() - t0:.0f} s)"
+            results,
+            f"chapter {c} — {source.name}/{stem}.py ({time.perf_counter() - t0:.0f} s)",
+            source.name,
         )
         got, total = got + g, total + t
     if total:

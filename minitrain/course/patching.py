@@ -6,11 +6,16 @@ hook ``add_rank_initializer`` (the runtime knows nothing of grading). Each
 function is re-bound to the *library module's* globals (``types.FunctionType(code,
 vars(module))``), so the learner's code can call the module's helpers and every caller
 inside the library — chapter 4's DDP calling ``ring_all_reduce`` — runs the learner's version.
+
+Blame on the right exercise (issue 32): each graded test names its exercise, and
+``select(name)`` keeps the learner's version of that exercise only, the library's reference
+for every other one — so a wrong ``merge_attention`` costs ``merge_attention``'s points, not
+``ring_step``'s too. The selection travels to the ranks with the rank initializer, taken at
+each ``launch``.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import importlib.util
 import inspect
@@ -24,6 +29,10 @@ from minitrain.course.exercises import CHAPTERS, Exercise, chapter_exercises
 from minitrain.runtime import add_rank_initializer
 
 _active: str | None = None
+# every patch made: (owner, name, reference attribute, learner's attribute, qualname,
+# module-level function or None) — what select() swaps between
+_patches: list[tuple] = []
+_selected: list[str | None] = [None]  # the exercise under test (None: every learner version)
 
 
 def active_patches() -> str | None:
@@ -70,11 +79,50 @@ def apply_patches(
         patched.append(f"{hunt.module}.{hunt.qualname}")
     if in_every_rank and _active is None:
         chosen = None if chapters is None else sorted(chapters)
-        add_rank_initializer(
-            functools.partial(apply_patches, str(folder), chosen, in_every_rank=False)
-        )
+        add_rank_initializer(_RankPatches(str(folder), chosen))
     _active = str(folder)
     return patched
+
+
+def _matches(qualname: str, exercise: str | None) -> bool:
+    return exercise is None or qualname == exercise or qualname.startswith(exercise + ".")
+
+
+def select(exercise: str | None) -> None:
+    """Keep the learner's version of ``exercise`` (a qualname as the graded tests' marker
+    names it, or a class: all its methods) and the library's reference for every other
+    patched function; ``None``: the learner's versions everywhere."""
+    _selected[0] = exercise
+    for owner, name, reference, learners, qualname, module_fns in _patches:
+        use = learners if _matches(qualname, exercise) else reference
+        setattr(owner, name, use)
+        if module_fns is not None:  # modules that did `from x import f` hold either one
+            old_fn, new_fn = module_fns
+            want, other = (new_fn, old_fn) if use is learners else (old_fn, new_fn)
+            for mod_name, mod in list(sys.modules.items()):
+                if mod_name.startswith("minitrain") and mod is not None:
+                    for attr, value in list(vars(mod).items()):
+                        if value is other:
+                            setattr(mod, attr, want)
+
+
+class _RankPatches:
+    """The rank initializer: the same patches in a rank, and the selection made when the rank
+    was launched (pickled with it, since ranks come from a forkserver started earlier)."""
+
+    def __init__(self, folder: str, chapters):
+        self.folder, self.chapters = folder, chapters
+
+    def __getstate__(self):
+        return {"folder": self.folder, "chapters": self.chapters, "selected": _selected[0]}
+
+    def __setstate__(self, state):
+        self.folder, self.chapters = state["folder"], state["chapters"]
+        self.selected = state["selected"]
+
+    def __call__(self):
+        apply_patches(self.folder, self.chapters, in_every_rank=False)
+        select(getattr(self, "selected", None))
 
 
 def _add_learners_names(learner, exs: list[Exercise]) -> None:
@@ -114,10 +162,14 @@ def _patch_one(ex: Exercise | BugHunt, learner, path: Path) -> None:
         new.__doc__ = original_fn.__doc__
     new.__qualname__ = original_fn.__qualname__
     new.__module__ = ex.module
-    setattr(owner, ex.name, staticmethod(new) if is_static else new)
+    learners = staticmethod(new) if is_static else new
+    setattr(owner, ex.name, learners)
+    module_fns = None
     if ex.class_name is None:  # modules that did `from x import f` hold the old function
+        module_fns = (original_fn, new)
         for name, mod in list(sys.modules.items()):
             if name.startswith("minitrain") and mod is not None:
                 for attr, value in list(vars(mod).items()):
                     if value is original_fn:
                         setattr(mod, attr, new)
+    _patches.append((owner, ex.name, original, learners, ex.qualname, module_fns))

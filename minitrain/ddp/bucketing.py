@@ -23,7 +23,8 @@ def assign_buckets(params: list[torch.Tensor], bucket_cap_bytes: float) -> list[
     ``params``: e.g. sizes [4, 4, 4] bytes with a cap of 8 give [[2, 1], [0]].
     """
     ### BEGIN SOLUTION
-    # HINT: for i in reversed(range(len(params))): bytes of a tensor = p.numel() * p.element_size()
+    # HINT: walk the parameters in the order their gradients arrive in backward, which is not
+    # HINT: the order they are listed in; count bytes, not elements
     buckets, current, current_bytes = [], [], 0
     for i in reversed(range(len(params))):
         p = params[i]

@@ -186,17 +186,34 @@ class DataParallel(nn.Module):
 
     def _on_grad_ready(self, param):
         """Autograd calls this (via ``register_post_accumulate_grad_hook``, which passes the
-        *parameter*) once ``param.grad`` holds this backward's gradient.
+        *parameter*) once ``param.grad`` holds this backward's gradient; returns nothing.
 
-        Unless synchronisation is off (``self._sync_enabled``), call ``self._start_sync()``,
-        copy the gradient, divided by ``self.world_size``, into its slot of the bucket
-        buffer (``bucket, k = self._location[param]``; ``bucket.view(k)``), remember the
-        parameter in ``self._ready`` and count it in ``bucket.ready``. If ``self.overlap``,
-        call ``self._launch_ready_buckets()`` — it starts the all-reduce of every full
-        bucket, in bucket order.
+        What it must achieve: ``param``'s gradient, averaged over the ranks, reaches its slot
+        of its bucket, and a bucket's all-reduce starts as soon as the bucket is full.
+
+        May use: ``self._sync_enabled`` (False inside ``no_sync()``), ``self._start_sync()``
+        (arranges the end-of-backward synchronisation; call it once a gradient will be
+        synchronised), ``self._location[param]`` (its bucket and its index k there;
+        ``bucket.view(k)`` is that slot of the flat buffer, same dtype as the gradient),
+        ``self._ready`` (the set of parameters whose gradient is in place), ``bucket.ready``
+        (how many of the bucket's parameters are in place), ``self.world_size``,
+        ``self.overlap`` and ``self._launch_ready_buckets()`` (launches every full bucket, in
+        bucket order).
+
+        Requirements and why:
+        - inside ``no_sync()`` nothing happens: gradient accumulation keeps the local sum and
+          communicates once, at the last micro-batch (the point of ``no_sync``);
+        - the all-reduce sums, so the average needs a division by the world size — done
+          before the sum, as torch DDP does, so the buffer never holds W times a gradient
+          (in fp16 that could overflow);
+        - launch only through ``_launch_ready_buckets``, never a bucket directly: every rank
+          must issue its all-reduces in the same (bucket) order, or collectives pair up wrong
+          and deadlock; with ``overlap`` off nothing launches here (the end-of-backward
+          callback launches everything).
         """
         ### BEGIN SOLUTION
-        # HINT: dividing before the sum is what torch DDP does: the average is then the all-reduce
+        # HINT: check the no_sync case first; each other call is one slot filled and one
+        # HINT: more parameter counted ready in its bucket
         if not self._sync_enabled:
             return
         self._start_sync()

@@ -88,12 +88,18 @@ def online_softmax_update(m, row_sum, acc, s, v):
     m, row_sum: (..., bq) running max and running sum of exp(score - m); acc: (..., bq, D) the
     running sum of exp(score - m) @ v, all in the accumulation dtype (fp32, fp64 for fp64
     inputs); s: (..., bq, bk) this tile's scaled scores (in that dtype, masked entries -inf);
-    v: (..., bk, D). Returns the new (m, row_sum, acc). When the max grows, everything
-    accumulated so far was relative to the old max and is rescaled by exp(m_old - m_new).
+    v: (..., bk, D) in the inputs' dtype (bf16 in notebook 09's check, while s and the
+    state are fp32). Returns the new (m, row_sum, acc), in the accumulation dtype.
+
+    Requirements and why: every sum so far is relative to the old running max, so when the
+    max grows they must be rescaled before this tile is added (else the earlier tiles count
+    e^(m_new - m_old) times too much); the probabilities meet ``v`` in ``v``'s dtype (a
+    matmul takes one dtype; on a GPU that is the fast bf16 tensor-core product) and the
+    product is added in the accumulation dtype; masked scores (-inf) must count for nothing.
     """
     ### BEGIN SOLUTION
-    # HINT: m_new = max(m, row max of s); p = exp(s - m_new); alpha = exp(m - m_new)
-    # HINT: row_sum and acc are sums relative to the old max: multiply them by alpha before adding
+    # HINT: first the new running max; then this tile's exponentials relative to it, and the
+    # HINT: factor that moves the old sums from the old max to the new one
     m_new = torch.maximum(m, s.amax(dim=-1))
     p = torch.exp(s - m_new[..., None])
     alpha = torch.exp(m - m_new)  # exp(-inf) = 0 on the first tile: nothing to rescale yet

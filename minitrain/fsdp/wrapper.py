@@ -150,11 +150,15 @@ class FullyShardedDataParallel(ShardedUnits):
     def _pre_forward(self, index):
         """Before unit ``index``'s forward (Zhao et al. 2023): its parameters whole.
 
-        Launch, in unit order, the gathers up to the *next* unit (``self._gather_in_order(
-        index + 1)``: this unit's, if no prefetch did, and the next one's, so it travels while
-        this unit computes: forward prefetching); free the earlier units (``self._free``: a branch may have
-        skipped one, then its prefetched gather is still held); wait for this unit's gather
-        (``self._wait_gather``); note the start: ``self._unit_start = trace.now()``.
+        Returns nothing. May use: ``self._gather_in_order(i)`` (launches, in unit order, every
+        gather not yet launched up to unit i — never out of order, so all ranks issue the same
+        collectives), ``self._wait_gather(unit)``, ``self._free(unit)`` (both accept None),
+        ``self.units``, ``trace.now()``; set ``self._unit_start`` when the unit's compute starts.
+
+        Requirements and why: this unit's parameters whole before it computes; the *next*
+        unit's gather launched too, so it travels while this one computes (forward
+        prefetching); every earlier unit freed — a branch not taken may have skipped a unit
+        whose prefetched gather is still held, and only this hook can return that memory.
         """
         ### BEGIN SOLUTION
         # HINT: self.units[:index] are the earlier units; _free and _wait_gather accept None
@@ -168,11 +172,16 @@ class FullyShardedDataParallel(ShardedUnits):
     def _post_forward(self, index, output):
         """After unit ``index``'s forward: record it, free it, and arrange its re-gather.
 
-        ``trace.record(f"forward block {index}", "compute", self._unit_start, trace.now())``,
-        free ``self.units[index]`` (``self._free``), and if grad is enabled, register on every
-        tensor of ``output`` that requires grad (``tensors_requiring_grad(output)``: the
-        output may be a tuple) a hook calling ``self._pre_backward(index)``, which gathers the
-        unit again just before its backward runs.
+        ``output``: what the unit returned — a tensor, or a tuple/list/dict of them (a block
+        may return ``(hidden, extra)``). Returns nothing. May use: ``trace.record(f"forward
+        block {index}", "compute", self._unit_start, trace.now())``, ``self._free(unit)``,
+        ``self._pre_backward(index)`` (gathers the unit again), ``tensors_requiring_grad(
+        output)`` (every tensor in it that requires grad), ``torch.is_grad_enabled()``.
+
+        Requirements and why: free the unit now (that is FSDP's memory saving); backward
+        reaches the unit through *any* of its outputs, so each one that requires grad must
+        trigger ``_pre_backward(index)`` — hooking only a single tensor misses tuples, and
+        backward then runs on freed parameters.
         """
         ### BEGIN SOLUTION
         # HINT: tensor.register_hook(fn) calls fn(grad) when backward reaches that tensor
@@ -186,13 +195,20 @@ class FullyShardedDataParallel(ShardedUnits):
     def _launch_reduce_scatter(self, u):
         """Start the averaging of unit ``u``'s complete fp32 gradient ``u.grad_full``.
 
-        A sharded unit: reduce-scatter it into a new tensor of ``u.shard_numel`` elements
-        (``reduce_scatter_tensor(out, u.grad_full, group=self.group, async_op=True)``): rank
-        r receives the sum of slice r. The replicated unit (``u.keep_full``): all-reduce
-        ``u.grad_full`` in place (``out`` is then ``u.grad_full`` itself). Count the bytes
-        (``count_sent(kind, u.padded * 4, self.world_size)``: 4 bytes, fp32; "reduce_scatter" or
-        "all_reduce"), and append ``(u, out, timed(work), start time)`` to ``self._pending``;
-        the end of backward waits for them and divides by N.
+        ``u.grad_full``: the flat gradient of the whole unit (``u.padded`` elements, fp32);
+        returns nothing. What each rank must end up with: a sharded unit, the sum over ranks
+        of *its* slice only (``u.shard_numel`` elements, in a new tensor); the replicated unit
+        (``u.keep_full``: parameters every rank keeps whole), the sum of the whole gradient
+        (in place). May use: ``reduce_scatter_tensor(out, input, group=..., async_op=True)``,
+        ``dist.all_reduce(tensor, group=..., async_op=True)`` (both return a work handle),
+        ``timed(work)``, ``count_sent(kind, buffer_bytes, N)`` (kind "reduce_scatter" or
+        "all_reduce", the full buffer's bytes), ``trace.now()``, ``self.group``,
+        ``self.world_size``.
+
+        Requirements and why: launch asynchronously and do not wait — the reduction overlaps
+        the rest of backward; hand the result over by appending ``(u, out, timed(work),
+        start time)`` to ``self._pending`` (the end of backward waits for each, divides by N
+        and stores it); count bytes, not elements (the log compares with bandwidth).
         """
         ### BEGIN SOLUTION
         # HINT: dist.all_reduce(tensor, group=..., async_op=True) returns a work handle too

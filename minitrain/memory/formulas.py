@@ -68,7 +68,8 @@ def estimate_training_memory(num_params: int, precision: str = "fp32") -> dict:
     if isinstance(num_params, float) and num_params.is_integer():
         num_params = int(num_params)  # 7e9 is a fine way to write seven billion
     ### BEGIN SOLUTION
-    # HINT: validate the inputs, then multiply bytes-per-parameter by num_params for each part
+    # HINT: first reject what cannot be counted (say which input and why); then every part
+    # HINT: is bytes per parameter times the count
     if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params must be a non-negative int, got {num_params!r}")
     if precision not in BYTES_PER_PARAMETER:

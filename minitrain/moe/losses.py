@@ -34,13 +34,16 @@ def load_balancing_loss(router_probs: torch.Tensor, expert_indices: torch.Tensor
     tokens (differentiable: the gradient pushes probability away from busy experts).
     Both sum to 1, so the loss is exactly 1.0 when both are uniform (1/N each), and N when
     every token and all probability go to one expert.
+
+    Returns a 0-dim tensor in ``router_probs``' dtype that requires grad when
+    ``router_probs`` does (the loss exists to train the router: never detach P).
     """
     if router_probs.dim() != 2 or router_probs.shape[1] != num_experts:
         raise ValueError(f"router_probs must be (tokens, {num_experts}), got "
                          f"{tuple(router_probs.shape)}")
     ### BEGIN SOLUTION
-    # HINT: f = bincount of the flattened indices (minlength=num_experts) / their number
-    # HINT: P = router_probs.mean over the tokens; the loss is num_experts * (f * P).sum()
+    # HINT: f counts assignments (every one of the T·k, experts with none included), P
+    # HINT: averages probabilities over tokens; only P carries the gradient
     flat = expert_indices.reshape(-1)
     counts = torch.bincount(flat, minlength=num_experts).to(router_probs.dtype)
     f = counts / max(flat.numel(), 1)

@@ -51,23 +51,26 @@ def validate(schedule, num_microbatches: int | None = None, num_chunks: int | No
     m = num_microbatches if num_microbatches is not None else 1 + max(a[1] for a in actions)
     v = num_chunks if num_chunks is not None else 1 + max(_key(a)[1] for a in actions)
     want = ("F", "B", "W") if "W" in kinds else ("F", "B")
+    case = f"schedule of p={len(schedule)} stages, m={m} micro-batches" + (f", v={v}" if v > 1 else "")
     for s, stage in enumerate(schedule):
         seen = {}
         for i, a in enumerate(stage):
             mb, c = _key(a)
             if not (0 <= mb < m and 0 <= c < v):
-                raise ScheduleError(f"stage {s}: action {a} is outside {m} micro-batches x {v} chunks")
+                why = (f"micro-batch {mb} does not exist when m = {m} (they are 0..{m - 1})"
+                       if not 0 <= mb < m else f"chunk {c} does not exist when v = {v}")
+                raise ScheduleError(f"{case}: stage {s}'s action {a}: {why}")
             seen.setdefault((mb, c), []).append((a[0], i))
         for mb in range(m):
             for c in range(v):
                 got = [k for k, _ in seen.get((mb, c), [])]
                 if sorted(got, key="FBW".index) != list(want):
                     raise ScheduleError(
-                        f"stage {s}: micro-batch {mb} chunk {c} has actions {got}, expected "
-                        f"each of {list(want)} exactly once")
+                        f"{case}: stage {s}: micro-batch {mb} chunk {c} has actions {got}, "
+                        f"expected each of {list(want)} exactly once")
                 if got != list(want):
                     raise ScheduleError(
-                        f"stage {s}: micro-batch {mb} chunk {c} runs in the order {got}; "
+                        f"{case}: stage {s}: micro-batch {mb} chunk {c} runs in the order {got}; "
                         f"it must be {list(want)} (a backward needs its forward first)")
 
 
@@ -145,16 +148,26 @@ def chunk_costs(num_chunks: int, costs=None) -> dict:
 
 
 def bubble_fraction(schedule, num_chunks: int = 1) -> Fraction:
-    """The idle fraction of ``schedule`` under unit stage costs: every action of a stage (F,
-    B or W) takes 1, a chunk's 1/v. Run the schedule in time: each stage runs its actions in
-    order, an action starting when its stage is free and every action it depends on
-    (``dependencies(action, stage, p, v)``: keys ``(kind, mb, chunk, stage)``) has finished.
-    Return 1 - (total busy time of all stages) / (p x makespan) as a Fraction; raise
-    ScheduleError if no stage can go on (a deadlock). Narayanan et al. 2021, section 2.2.
+    """The idle fraction of ``schedule`` under unit stage costs, as an exact ``Fraction``.
+
+    ``schedule``: one list of actions per stage (``("F", mb)``, ``("B", mb)``, ``("W", mb)``,
+    or with a chunk index for interleaved schedules, ``num_chunks`` = v chunks per stage).
+    Every action costs 1 (a chunk's action 1/v). The rules of time: a stage runs its own
+    actions in the listed order, one at a time; an action can start only once every action
+    it depends on has finished — ``dependencies(action, stage, p, v)`` lists them as keys
+    ``(kind, mb, chunk, stage)``. The bubble is the share of the p x makespan stage-time
+    that no action fills (Narayanan et al. 2021, section 2.2). A schedule in which no stage
+    can go on deadlocks: raise ``ScheduleError`` saying so.
+
+    Requirements and why: compute it by running the schedule (not by p and m — the formulas
+    (p-1)/(m+p-1) only hold for GPipe and 1F1B, and this must also judge zero bubble and
+    interleaved schedules, and schedules a learner writes); exact fractions so a bubble of
+    1/7 compares equal to 1/7.
     """
     ### BEGIN SOLUTION
-    # HINT: keep per stage the time it becomes free and the index of its next action;
-    # HINT: sweep the stages repeatedly, running each next action whose dependencies finished.
+    # HINT: an action's finish time depends only on its stage's previous action and on its
+    # HINT: dependencies' finish times: record each as it becomes computable, and notice when
+    # HINT: a whole pass over the stages computes nothing
     p, cost = len(schedule), Fraction(1, num_chunks)
     finish, free, position = {}, [Fraction(0)] * p, [0] * p
     while any(position[s] < len(schedule[s]) for s in range(p)):

@@ -278,11 +278,22 @@ def run_action(stage: PipelineStage, action: tuple, state: StepState) -> None:
       into the input only, keep the graph (``retain_graph=True``) and park the gradient in
       ``state.pending_w`` for W; otherwise drop the saved pair.
     - ``("W", mb[, c])``: backpropagate the parked gradient into the chunk's parameters
-      (``stage.chunk_parameters(c)``) and drop the saved pair.
+      (``stage.chunk_parameters(c)``) and drop the saved pair. When the backward was not
+      split (``state.split_backward`` False: a schedule with W run with checkpointing, as
+      notebook 07 does) B did all the work and W does nothing.
+
+    Returns nothing; everything lives in ``state`` (``inputs``, ``saved``, ``pending_w``,
+    ``split_backward``). May use: ``stage.virtual_stage(c)``, ``stage.is_first(c)``,
+    ``stage.is_last(c)``, ``stage.forward(c, mb, x, state)``, ``stage.backward(name, out,
+    grad, inputs=None, retain_graph=False)``, ``stage.send(kind, mb, tensor, to_virtual,
+    state)``, ``stage.recv(kind, mb, from_virtual, state, like=None)``,
+    ``stage.chunk_parameters(c)``. Why the received activation must require grad: backward
+    stops at leaves that do not, and the previous stage waits for that input's gradient.
     """
     ### BEGIN SOLUTION
-    # HINT: v = stage.virtual_stage(c); activations go to v + 1, gradients to v - 1
-    # HINT: stage.send(kind, mb, tensor, to_virtual, state) / stage.recv(kind, mb, from_virtual, state, like=...)
+    # HINT: a chunk is one virtual stage: activations flow to the next virtual stage,
+    # HINT: gradients to the previous; the first has no one to receive from, the last no
+    # HINT: one to send to
     kind, mb = action[0], action[1]
     c = action[2] if len(action) > 2 else 0
     v, key = stage.virtual_stage(c), (mb, c)

@@ -35,8 +35,8 @@ def round_significand(sig: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     sig=0b1110, shift=2 -> 4 (a tie, 3 is odd so round up to 4).
     """
     ### BEGIN SOLUTION
-    # HINT: q = sig >> shift keeps the high bits; the remainder is sig - (q << shift)
-    # HINT: "half" is 1 << (shift - 1); round up if remainder > half, or == half and q is odd
+    # HINT: split each value into the bits kept and the bits dropped; the dropped bits decide,
+    # HINT: compared with exactly half of one unit of the kept ones — and a tie goes to even
     one = torch.ones_like(sig)
     q = sig >> shift
     remainder = sig - (q << shift)

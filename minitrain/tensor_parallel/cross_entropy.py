@@ -33,10 +33,25 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits_shard, targets, group):
+        """``logits_shard``: (..., v/t) this rank's slice of the vocabulary — rank r holds
+        token ids r*v/t .. (r+1)*v/t - 1 — in any float dtype; ``targets``: (...) int64 ids
+        of the whole vocabulary; ``group``: the tensor-parallel group. Returns the mean over
+        all tokens of the cross-entropy, a 0-dim tensor in ``logits_shard``'s dtype, the same
+        on every rank (equal to ``F.cross_entropy`` of the gathered logits).
+
+        May use: ``group_rank_and_size(group)``, ``all_reduce(tensor, group, op)``
+        (``dist.ReduceOp.MAX`` or the default sum; in place on what it is given), ``ctx``
+        (``ctx.save_for_backward(...)``, attributes) for what backward needs.
+
+        Requirements and why: never gather the logits (that is b*s*v numbers; three per
+        token suffice — the module docstring lists them); subtract the *global* max, or the
+        exponentials of large logits overflow and the ranks' sums do not add up; compute in
+        ``torch.promote_types(dtype, torch.float32)`` (exp and a vocabulary-long sum need
+        fp32's range and digits).
+        """
         ### BEGIN SOLUTION
-        # HINT: 1) max over the vocabulary: local max, then all_reduce(m, group, dist.ReduceOp.MAX)
-        # HINT: 2) sum of exp(z - max): local sum, then all_reduce; 3) the target's shifted logit
-        # HINT: from the rank whose slice holds it (0 elsewhere), all_reduce. Save what backward needs.
+        # HINT: three numbers per token cross the group; a target id belongs to exactly one
+        # HINT: rank's slice — the others contribute 0 to its logit
         rank, _ = group_rank_and_size(group)
         v_local = logits_shard.shape[-1]
         z = logits_shard.to(torch.promote_types(logits_shard.dtype, torch.float32))
@@ -57,9 +72,17 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        """``grad_loss``: the 0-dim gradient of the mean loss. Returns ``(gradient of
+        logits_shard, None, None)`` — one per forward input; the first has
+        ``logits_shard``'s shape and dtype: d loss / d z = (softmax(z) - onehot(target)) *
+        grad_loss / N for this rank's columns, N the number of tokens (the loss is a mean).
+
+        May use what forward saved (``ctx.saved_tensors``, attributes on ``ctx``). Why no
+        communication: forward's sums made the softmax of this rank's columns exact, and the
+        one-hot's 1 lies on the one rank that holds the target's column.
+        """
         ### BEGIN SOLUTION
-        # HINT: (softmax - onehot(target)) * grad_loss / number of tokens; the onehot's 1
-        # HINT: only on the rank holding the target. No communication is needed.
+        # HINT: the softmax of your columns, minus 1 where your slice holds the target
         softmax, safe, mine = ctx.saved_tensors
         grad = softmax.clone()
         grad.scatter_add_(-1, safe, -mine.unsqueeze(-1).to(grad.dtype))

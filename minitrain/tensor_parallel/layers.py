@@ -85,9 +85,27 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: (..., in_features), the same on every rank — or, with
+        ``self.sequence_parallel``, this rank's shard of the sequence (dimension 0, the
+        sequence-first layout of Korthikanti et al. 2022). Returns (..., local_out), this
+        rank's contiguous slice of the output features — or all out_features, identical on
+        every rank, if ``self.gather_output`` (what a head needs when its loss is not
+        vocabulary-parallel).
+
+        May use: ``self.weight`` (local_out, in_features), ``self.bias`` (local_out,) or
+        None, ``self.group``, ``self.communicate_input``, ``self.sequence_parallel``,
+        ``self.gather_output``, and the mappings ``copy_to_parallel_region`` (f),
+        ``gather_from_sequence_parallel_region``, ``gather_from_parallel_region``.
+
+        Requirements and why: the input enters the parallel region through f (its backward
+        sums the input's gradient over the ranks, each of which used all of x) — or, with
+        sequence parallelism, through the sequence all-gather, whose backward reduce-scatters;
+        with ``communicate_input`` False the caller has done that once for several layers
+        (q, k, v), and doing it again would sum the gradient twice.
+        """
         ### BEGIN SOLUTION
-        # HINT: enter with f (copy_to_parallel_region) or, if self.sequence_parallel, with
-        # HINT: gather_from_sequence_parallel_region; skip both if not self.communicate_input
+        # HINT: three independent choices: how the input enters (two flags), the matmul on this
+        # HINT: rank's rows, and whether the slices are joined afterwards
         if self.communicate_input and self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.group)
         elif self.communicate_input:
@@ -136,9 +154,27 @@ class RowParallelLinear(nn.Module):
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: (..., local_in), this rank's slice of the input features (the column layer's
+        output) when ``self.input_is_parallel``, else (..., in_features), the whole input,
+        to be split here. Returns (..., out_features): the full product summed over the
+        ranks, identical on every rank — or, with ``self.sequence_parallel``, this rank's
+        shard of the sequence (dimension 0) of that sum.
+
+        May use: ``self.weight`` (out_features, local_in), ``self.bias`` (out_features,) or
+        None — whole on every rank, ``self.group``, ``self.input_is_parallel``,
+        ``self.sequence_parallel``, and ``scatter_to_parallel_region``,
+        ``reduce_from_parallel_region`` (g), ``reduce_scatter_to_sequence_parallel_region``,
+        ``copy_to_parallel_region`` (f).
+
+        Requirements and why: the bias is added once, after the sum (added on every rank
+        before it, it would count t times). With sequence parallelism each rank adds the bias
+        to its own sequence shard only, so each rank's bias gradient is partial: the bias must
+        enter through f, whose backward sums that gradient over the ranks (else the replicas
+        of the bias drift apart).
+        """
         ### BEGIN SOLUTION
-        # HINT: split x if not self.input_is_parallel; multiply WITHOUT the bias; sum with g
-        # HINT: (or reduce_scatter_to_sequence_parallel_region); then add the bias once
+        # HINT: a partial product per rank, a sum (or a sum scattered along the sequence), and
+        # HINT: only then the bias — whose gradient must come out whole on every rank
         if not self.input_is_parallel:
             x = scatter_to_parallel_region(x, self.group)
         partial = F.linear(x, self.weight)  # this rank's share of the sum; no bias yet

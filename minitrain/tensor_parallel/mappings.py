@@ -117,16 +117,28 @@ class CopyToParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
+        """f's forward: ``x`` (any shape and dtype, the same on every rank of ``group``) enters
+        the parallel region unchanged. Returns a tensor equal to ``x`` — a new tensor object
+        (a view will do), since autograd records a new output for a Function. Keep ``group``
+        on ``ctx`` for backward. No communication here: every rank already holds all of x.
+        """
         ### BEGIN SOLUTION
-        # HINT: remember the group on ctx for backward; every rank already holds all of x
+        # HINT: what backward will need is not a tensor — it can live on ctx as an attribute
         ctx.group = group
         return x.view_as(x)  # a view, not x itself: autograd wants a new output tensor
         ### END SOLUTION
 
     @staticmethod
     def backward(ctx, grad):
+        """f's backward: ``grad`` (x's shape) is the gradient of *this rank's* use of x — each
+        rank's layer reads all of x but only computes part of the output, so the true
+        gradient of x is the sum over ranks. Returns one gradient per forward input:
+        ``(gradient of x, None)`` (``group`` has none). May use ``all_reduce(tensor, group)``
+        (sums in place and returns it — so give it a tensor you own, never ``grad`` itself,
+        which autograd may share) and ``ctx.group``.
+        """
         ### BEGIN SOLUTION
-        # HINT: each rank's grad is only its share: sum them with all_reduce(..., ctx.group)
+        # HINT: the gradient of a value copied to every rank is the sum of what each rank sends back
         return all_reduce(grad.contiguous().clone(), ctx.group), None
         ### END SOLUTION
 
@@ -136,13 +148,22 @@ class ReduceFromParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
+        """g's forward: ``x`` is this rank's partial result (e.g. a row-parallel Linear's
+        product of its slice of the input); returns the sum over the ranks of ``group``, the
+        same on every rank, x's shape and dtype. ``x`` itself must stay unchanged (autograd
+        may have saved it). May use ``all_reduce(tensor, group)``.
+        """
         ### BEGIN SOLUTION
-        # HINT: sum the partial outputs with all_reduce on a copy (never modify the input)
+        # HINT: in-place collectives change what they are given: give them something of your own
         return all_reduce(x.contiguous().clone(), group)
         ### END SOLUTION
 
     @staticmethod
     def backward(ctx, grad):
+        """g's backward: ``grad`` is the gradient of the summed output, already the same on
+        every rank. Returns ``(gradient of x, None)``. Why no communication: the output is
+        x_0 + ... + x_{t-1}, so d(out)/d(x_r) is the identity for every r.
+        """
         ### BEGIN SOLUTION
         # HINT: the sum's gradient is the same on every rank: pass it through
         return grad, None

@@ -158,10 +158,18 @@ class ZeroDataParallel(OrderedGathers):
     def _pre_forward(self, index):
         """Stage 3, before block ``index``'s forward: make its parameters whole, prefetch the next.
 
-        Wait for unit ``self.units[index]`` (``self._wait_gather``: it starts the gather if
-        the prefetch did not), then start (don't wait for) the gather of block ``index + 1``,
-        if there is one, so it overlaps this block's compute. Record when the block's compute
-        starts: ``self._block_start = trace.now()``.
+        ``index``: the block about to run (0 .. len(self.blocks) - 1); returns nothing.
+        May use: ``self.units[i]`` (block i's unit of sharded parameters),
+        ``self._start_gather(unit)`` (launches its asynchronous all-gather; does nothing if one
+        is in flight or done), ``self._wait_gather(unit)`` (starts it if needed, blocks until
+        the parameters are whole), ``self.blocks``, ``trace.now()``; set
+        ``self._block_start`` to when the block's compute starts (``_post_forward`` records
+        the span from it).
+
+        Requirements and why: block ``index`` cannot compute before its own parameters are
+        whole; block ``index + 1``'s gather must be *in flight* — started, not waited for —
+        while block ``index`` computes, so the transfer hides behind the compute (Rajbhandari
+        et al. 2020, section 5.2: prefetching); waiting for it here would serialise them again.
         """
         ### BEGIN SOLUTION
         # HINT: self._start_gather(unit) launches an asynchronous all-gather
@@ -174,11 +182,17 @@ class ZeroDataParallel(OrderedGathers):
     def _post_forward(self, index, output):
         """Stage 3, after block ``index``'s forward: free its parameters, arrange the re-gather.
 
-        Record the block's compute (``trace.record(f"forward block {index}", "compute",
-        self._block_start, trace.now())``), free unit ``self.units[index]`` (``self._free``),
-        and, if grad is enabled and ``output`` requires grad, register a hook on ``output``
-        that calls ``self._pre_backward(index)``: backward reaches a block's output just before
-        it runs the block's own backward, which needs the parameters again.
+        ``output``: what the block returned (a tensor here). Returns nothing.
+        May use: ``trace.record(name, "compute", start, end)`` (record the block's compute as
+        ``f"forward block {index}"`` from ``self._block_start`` to now), ``self._free(unit)``,
+        ``self.units[index]``, ``self._pre_backward(index)`` (gathers the unit again),
+        ``torch.is_grad_enabled()``.
+
+        Requirements and why: free the unit at once — holding every block's full parameters
+        is exactly the memory ZeRO-3 saves; backward will need them again just before the
+        block's own backward runs, which is when backward reaches the block's *output*: arrange
+        for ``self._pre_backward(index)`` to run then (only when there will be a backward:
+        grad enabled and an output that requires grad).
         """
         ### BEGIN SOLUTION
         # HINT: output.register_hook(fn) calls fn(grad) when the gradient of output is known

@@ -77,17 +77,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def step(self, closure=None):
         """The ZeRO-1 step: update this rank's share, then let every rank see all updates.
 
-        1. copy the hyperparameters of ``self.param_groups`` (a scheduler may have changed
-           "lr") into ``self.optimizer.param_groups`` (same order), except "params";
-        2. ``self.optimizer.step()``: this rank's parameters only;
-        3. share: every rank packs its owned parameters (``self.owned[self.rank]``, indices
-           into the flat list of all parameters) into a buffer padded to the largest share,
-           one all-gather (``all_gather_tensor``) of the N buffers, then every rank copies each
-           owner's values into its parameters. Count it: ``count_sent("all_gather", bytes, N)``.
-        Runs ``closure`` (with grad enabled) first if given and returns its loss.
+        Returns ``closure()``'s loss if a closure is given (run it first, with grad enabled),
+        else None. May use: ``self.param_groups`` (what the caller and a scheduler see and
+        change), ``self.optimizer`` (the local optimizer over this rank's parameters only; its
+        own ``param_groups``, in the same order), ``self.owned[r]`` (indices, into the flat
+        list of all parameters of ``self.param_groups``, of the parameters rank r updates),
+        ``self.rank``, ``self.world_size``, ``self.group``, ``all_gather_tensor(output,
+        input, group=...)`` (every rank's equal-sized input, concatenated in rank order) and
+        ``count_sent("all_gather", buffer_bytes, N)`` (counts a collective on a buffer).
+
+        Requirements and why:
+        - the local optimizer must step with the hyperparameters the caller sees: a scheduler
+          changes ``self.param_groups`` ("lr", but also "weight_decay", ...) — copy every key
+          but "params" before stepping;
+        - after the step every rank holds every updated parameter: one all-gather, all ranks
+          sending the same number of elements (so the shares are padded to the largest);
+        - count the bytes with the *full* buffer (the all-gather's output), as ``count_sent``
+          expects, so the log matches chapter 4's (N-1)/N formula.
         """
         ### BEGIN SOLUTION
-        # HINT: sizes = [[every[i].numel() for i in o] for o in self.owned]; width = max(map(sum, sizes))
+        # HINT: an all-gather needs equal pieces: every rank pads its share to the largest one
         loss = None
         if closure is not None:
             with torch.enable_grad():

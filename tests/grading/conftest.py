@@ -5,6 +5,9 @@ MINITRAIN_EXERCISES (the folder of exNN_*.py files to grade), MINITRAIN_GRADE_CH
 chapters graded: only their functions are patched in, so an unfinished earlier chapter costs
 no points in a later one) and MINITRAIN_GRADE_REPORT (where to write the results as JSON).
 Without them, the graded tests simply test the library's own reference solutions.
+Each test runs with the learner's version of its own exercise only (its ``exercise`` marker)
+and the reference of every other (``patching.select``), so a mistake costs the points of the
+exercise that has it and no other's (issue 32).
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ def pytest_configure(config):
 def pytest_runtest_setup(item):
     if _patch_error:
         pytest.fail(_patch_error, pytrace=False)
+    if os.environ.get("MINITRAIN_EXERCISES"):
+        from minitrain.course import patching
+
+        marker = item.get_closest_marker("exercise")
+        name = marker.args[0] if marker and marker.args else None
+        patching.select(name.removeprefix("bug hunt: ") if name else None)
 
 
 @pytest.hookimpl(hookwrapper=True)

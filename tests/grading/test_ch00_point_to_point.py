@@ -134,3 +134,40 @@ def test_broadcast_integer_tensor():
     for rank, (mine, ref, _, calls) in enumerate(results):
         assert not calls["collectives"], _only_send_recv("broadcast", calls)
         assert torch.equal(mine, ref), f"int64 broadcast: rank {rank} holds {mine.tolist()}"
+
+
+def _broadcast_edge_cases():
+    from minitrain.runtime.point_to_point import broadcast
+
+    rank = dist.get_rank()
+    outside = None
+    try:  # rank 5 is not among the 3
+        broadcast(torch.zeros(2), src=5)
+    except ValueError as exc:
+        outside = ("ValueError", str(exc))
+    except Exception as exc:  # noqa: BLE001 — what a learner's version raised instead
+        outside = (type(exc).__name__, str(exc).splitlines()[0][:80] if str(exc) else "")
+    dist.barrier()
+    group = dist.new_group([1, 2])  # every rank takes part in creating it
+    held = None
+    if rank in (1, 2):
+        t = torch.full((3,), float(rank))
+        broadcast(t, src=2, group=group)  # src is a global rank: rank 2
+        held = t.tolist()
+    dist.barrier()
+    return outside, held
+
+
+@pytest.mark.exercise("broadcast", points=1)
+def test_broadcast_checks_src_and_respects_the_group():
+    results = launch(_broadcast_edge_cases, 3, timeout=30)
+    for rank, (outside, held) in enumerate(results):
+        assert outside is not None and outside[0] == "ValueError", (
+            f"rank {rank}: broadcast(src=5) with 3 ranks should raise ValueError naming the "
+            f"source (rank 5 is in no group of 3 ranks); "
+            f"{'it returned' if outside is None else f'it raised {outside[0]}: {outside[1]}'}")
+        if rank in (1, 2):
+            assert held == [2.0, 2.0, 2.0], (
+                f"broadcast(src=2, group=[ranks 1, 2]) on 3 ranks: rank {rank} holds {held}, "
+                f"expected rank 2's [2.0, 2.0, 2.0] — src and the members are global ranks: "
+                f"turn the group's ranks into global ones (dist.get_global_rank)")

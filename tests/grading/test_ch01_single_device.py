@@ -125,3 +125,29 @@ def test_accumulate_gradients(rows, micro):
             f"{name}: accumulated gradient differs from the one-big-batch gradient by {err:.3g} "
             f"(is each micro-batch loss scaled by its share of the tokens?)"
         )
+
+
+@pytest.mark.exercise("estimate_training_memory", points=1)
+@pytest.mark.parametrize("bad", [
+    dict(num_params=1000, precision="fp64x"), dict(num_params=1000, precision="FP32"),
+    dict(num_params=-5, precision="fp32"), dict(num_params=2.5, precision="fp32"),
+], ids=["unknown precision", "misspelt precision", "negative count", "fractional count"])
+def test_estimate_training_memory_rejects_bad_input(bad):
+    try:
+        got = memory.estimate_training_memory(**bad)
+    except ValueError as exc:
+        named = repr(bad["precision"]) if "precision" in str(exc) else None
+        assert named is None or named in str(exc) or bad["precision"] in str(exc), (
+            f"estimate_training_memory({bad}): the ValueError should name the value given; "
+            f"it says {exc}")
+        return
+    except NotImplementedError:
+        raise
+    except Exception as exc:
+        raise AssertionError(
+            f"estimate_training_memory({bad}) raised {type(exc).__name__}: {exc} — bad input "
+            f"must raise ValueError naming it (a KeyError from a dict lookup tells the caller "
+            f"nothing; check the input before using it)") from None
+    raise AssertionError(
+        f"estimate_training_memory({bad}) returned {got} — bad input must raise ValueError "
+        f"naming it")

@@ -49,6 +49,7 @@ def _reduce_scatter_case(n, dtype):
         (3, 2, torch.float32),
         (4, 16, torch.float16),
         (2, 0, torch.float32),
+        (1, 5, torch.float32),
     ],
 )
 def test_ring_reduce_scatter(world, n, dtype):
@@ -235,3 +236,62 @@ def test_your_ring_drives_data_parallel():
             f"DataParallel running on your ring_all_reduce (2 ranks): rank {rank}'s parameters "
             f"differ from one process by {diff:.3g}"
         )
+
+
+def _accumulate(world):
+    """Two micro-batches per step, the first under no_sync; counts the all-reduces each
+    backward launched, and compares the parameters with one process on the whole batch."""
+    from minitrain.ddp import DataParallel
+    from minitrain.ddp.gradient_bucket import GradientBucket
+
+    rank = dist.get_rank()
+    launched = []
+    real_start = GradientBucket.start_all_reduce
+
+    def start(self, *args, **kwargs):
+        launched[-1] += 1
+        return real_start(self, *args, **kwargs)
+
+    GradientBucket.start_all_reduce = start
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    model = DataParallel(nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)),
+                         bucket_cap_mb=0.0005)
+    model.module.load_state_dict(reference.state_dict())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.2) for m in (reference, model)]
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 6, generator=g), torch.randn(16, 3, generator=g)
+        for opt in opts:
+            opt.zero_grad()
+        (nn.functional.mse_loss(reference(x), y)).backward()
+        for micro in range(2):  # rows micro*8 .. micro*8+8, split over the ranks
+            rows = slice(micro * 8 + rank * 8 // world, micro * 8 + (rank + 1) * 8 // world)
+            launched.append(0)
+            if micro == 0:
+                with model.no_sync():
+                    (nn.functional.mse_loss(model(x[rows]), y[rows]) / 2).backward()
+            else:
+                (nn.functional.mse_loss(model(x[rows]), y[rows]) / 2).backward()
+                model.finish_gradient_synchronization()
+        for opt in opts:
+            opt.step()
+    GradientBucket.start_all_reduce = real_start
+    diff = max((p - q).abs().max().item()
+               for p, q in zip(reference.parameters(), model.module.parameters()))
+    return diff, launched
+
+
+@pytest.mark.exercise("DataParallel._on_grad_ready", points=2)
+def test_no_sync_accumulates_without_communicating():
+    world = 2
+    for rank, (diff, launched) in enumerate(launch(_accumulate, world, world, timeout=60)):
+        assert launched[0] == 0 and launched[2] == 0, (
+            f"rank {rank}, {world} ranks, 2 micro-batches per step, the first under no_sync: "
+            f"the backward inside no_sync launched {launched[0]} all-reduce(s) (per backward: "
+            f"{launched}) — when self._sync_enabled is False the hook must do nothing, so "
+            "gradient accumulation costs no communication until the last micro-batch")
+        assert diff < 1e-5, (
+            f"rank {rank}, {world} ranks, gradient accumulation with no_sync: the parameters "
+            f"differ from one process by {diff:.3g} — the synchronised backward must average "
+            "the whole accumulated gradient")

@@ -48,6 +48,28 @@ class _SkipsBlock1(_Toy):
         return self.out(x)
 
 
+class _TupleBlock(_Block):
+    def forward(self, x):
+        branch = torch.tanh(self.fc(self.ln(x)))
+        return x + branch, branch  # (hidden, an extra output), as many transformer blocks return
+
+
+class _TupleToy(_Toy):
+    """_Toy (same parameters, same initialisation) whose blocks return a tuple."""
+
+    def __init__(self):
+        nn.Module.__init__(self)
+        self.inp = nn.Linear(5, 7)
+        self.blocks = nn.ModuleList(_TupleBlock(7) for _ in range(3))
+        self.out = nn.Linear(7, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x, _ = b(x)
+        return self.out(x)
+
+
 def _batch(step, rank=0, world=1):
     g = torch.Generator().manual_seed(100 + step)
     x, y = torch.randn(BATCH, 5, generator=g), torch.randn(BATCH, 3, generator=g)
@@ -55,7 +77,7 @@ def _batch(step, rank=0, world=1):
     return x[rank * b : (rank + 1) * b], y[rank * b : (rank + 1) * b]
 
 
-def _reference(model_class=None):
+def _reference(model_class=None, schedule=False):
     torch.manual_seed(0)
     model = (model_class or _Toy)()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -63,8 +85,17 @@ def _reference(model_class=None):
         x, y = _batch(s)
         opt.zero_grad()
         ((model(x) - y) ** 2).mean().backward()
+        if schedule:
+            _set_hyperparameters(opt, s)
         opt.step()
     return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _set_hyperparameters(opt, step):
+    """What a learning-rate scheduler (and a weight-decay schedule) do between steps."""
+    if step >= 2:
+        for group in opt.param_groups:
+            group["lr"], group["weight_decay"] = LR * 0.3, 0.5
 
 
 def _best(sizes, world):
@@ -105,8 +136,8 @@ def _round_robin(sizes, world_size):
     return [list(range(r, len(sizes), world_size)) for r in range(world_size)]
 
 
-def _sharded():
-    from minitrain.zero import ShardedOptimizer, optimizer
+def _sharded(schedule=False):
+    from minitrain.zero import ShardedOptimizer, bytes_sent, optimizer, reset_bytes_sent
 
     # graded on its own: ownership from a simple rule here, not your partition_parameters
     # (patched where ShardedOptimizer looks the name up: its own module's globals)
@@ -115,6 +146,7 @@ def _sharded():
     torch.manual_seed(0)
     model = _Toy()
     opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR)
+    reset_bytes_sent()
     for s in range(STEPS):
         x, y = _batch(s, rank, world)
         opt.zero_grad()
@@ -122,15 +154,20 @@ def _sharded():
         for p in model.parameters():
             dist.all_reduce(p.grad)
             p.grad /= world
+        if schedule:
+            _set_hyperparameters(opt, s)
         opt.step()
-    return {n: p.detach() for n, p in model.named_parameters()}
+    sizes = [p.numel() for p in model.parameters()]
+    width = max(sum(sizes[i] for i in o) for o in _round_robin(sizes, world))
+    want = STEPS * (width * world * 4 * (world - 1) // world)  # the gathered buffer, fp32
+    return {n: p.detach() for n, p in model.named_parameters()}, bytes_sent()["all_gather"], want
 
 
 @pytest.mark.exercise("ShardedOptimizer.step", points=3)
 @pytest.mark.parametrize("world", [2, 3])
 def test_zero1_step_matches_adamw(world):
     ref = _reference()
-    for rank, got in enumerate(launch(_sharded, world, timeout=60)):
+    for rank, (got, sent, want_sent) in enumerate(launch(_sharded, world, timeout=60)):
         for name, want in ref.items():
             err = (got[name] - want).abs().max().item()
             assert err <= ATOL, (
@@ -138,6 +175,23 @@ def test_zero1_step_matches_adamw(world):
                 f"differs from one process with AdamW by {err:.2g} (did every rank receive "
                 "every owner's updated parameters?)"
             )
+        assert sent == want_sent, (
+            f"{STEPS} ShardedOptimizer steps on {world} ranks: rank {rank} should count "
+            f"{want_sent} bytes of all-gather, counted {sent} — count_sent takes the full "
+            f"buffer (the all-gather's output, N padded shares), not this rank's input share")
+
+
+@pytest.mark.exercise("ShardedOptimizer.step", points=2)
+def test_zero1_step_follows_a_changed_learning_rate():
+    world = 2
+    ref = _reference(schedule=True)
+    for rank, (got, _, _) in enumerate(launch(_sharded, world, True, timeout=60)):
+        err = max((got[name] - want).abs().max().item() for name, want in ref.items())
+        assert err <= ATOL, (
+            f"ShardedOptimizer on {world} ranks, lr and weight_decay changed after step 2 (as "
+            f"a scheduler does, in opt.param_groups): rank {rank}'s parameters differ from "
+            f"AdamW's by {err:.2g} — the local optimizer steps with its own param_groups: copy "
+            f"every hyperparameter but 'params' into them at each step")
 
 
 def _given_pre_forward(self, index):
@@ -165,7 +219,7 @@ def _stage3(own_pre_forward=True):
     # registered after the wrapper's own hook: runs once _pre_forward is done, as block i computes
     for i, block in enumerate(z.module.blocks[:-1]):
         block.register_forward_pre_hook(
-            lambda m, a, i=i: next_launched.append(z.units[i + 1].state != "free")
+            lambda m, a, i=i: next_launched.append(z.units[i + 1].state)
         )
     for s in range(STEPS):
         x, y = _batch(s, rank, world)
@@ -180,10 +234,17 @@ def _check_stage3(own_pre_forward=True):
     for rank, (got, freed, prefetched) in enumerate(
         launch(_stage3, 2, own_pre_forward, timeout=60)
     ):
-        assert prefetched == [True, True], (
+        launched = [state != "free" for state in prefetched]
+        assert launched == [True, True], (
             f"ZeRO-3 rank {rank}: when block i's forward computes, block i + 1's all-gather "
             f"should already be launched, so it travels meanwhile; launched per block 0, 1: "
-            f"{prefetched} (_pre_forward: self._start_gather(self.units[index + 1]))"
+            f"{launched} (_pre_forward: start the next unit's gather)"
+        )
+        assert prefetched == ["gathering", "gathering"], (
+            f"ZeRO-3 rank {rank}, 3 blocks on 2 ranks: when block i's forward computes, block "
+            f"i + 1's all-gather should be in flight, not finished; its state per block 0, 1: "
+            f"{prefetched} — start the prefetch, don't wait for it: waiting makes block i wait "
+            f"for block i + 1's transfer, and nothing overlaps"
         )
         assert freed == [True, True, True], (
             f"ZeRO-3 rank {rank}: when the last layer runs, the blocks' parameters should be freed "
@@ -249,26 +310,47 @@ def _fsdp(own, replicated, model_class=None):
     model = (model_class or _Toy)()
     fsdp = F(model, replicated_params=[model.out.bias] if replicated else None)
     opt = torch.optim.AdamW(fsdp.parameters(), lr=LR)
-    freed = []
+    freed, next_state = [], []
     model.out.register_forward_hook(
         lambda m, a, o: freed.append(
             [b.fc.weight.untyped_storage().nbytes() == 0 for b in model.blocks]
         )
     )
+    # registered after FSDP's own hook: runs once _pre_forward is done, as block i computes
+    for i, block in enumerate(model.blocks[:-1]):
+        block.register_forward_pre_hook(
+            lambda m, a, i=i: next_state.append(fsdp.units[i + 1].state)
+        )
     for s in range(STEPS):
         x, y = _batch(s, rank, world)
         zero.reset_bytes_sent()
         opt.zero_grad()
-        ((fsdp(x) - y) ** 2).mean().backward()
+        try:
+            ((fsdp(x) - y) ** 2).mean().backward()
+        except (RuntimeError, AttributeError) as exc:
+            if model_class is not _TupleToy or isinstance(exc, NotImplementedError):
+                raise
+            raise AssertionError(
+                f"FSDP, 3 blocks returning a tuple (hidden, extra), 2 ranks: _post_forward must "
+                f"hook every tensor of the output that requires grad (tensors_requiring_grad), "
+                f"or backward runs on freed parameters ({type(exc).__name__}: "
+                f"{str(exc).splitlines()[0][:60]})") from None
         fsdp.finish_gradient_synchronization()
         opt.step()
-    return fsdp.full_state_dict(), freed[0], zero.bytes_sent(), fsdp.padded_numel()
+    return (fsdp.full_state_dict(), freed[0], zero.bytes_sent(), fsdp.padded_numel(),
+            next_state[: len(model.blocks) - 1])
 
 
 def _check_fsdp(own, replicated=False, hint="", model_class=None):
     ref = _reference(model_class)
-    runs = launch(_fsdp, 2, own, replicated, model_class, timeout=60)
-    for rank, (got, freed, _, _) in enumerate(runs):
+    runs = launch(_fsdp, 2, own, replicated, model_class, timeout=90)
+    for rank, (got, freed, _, _, next_state) in enumerate(runs):
+        if own == "_pre_forward" and model_class is None:
+            assert next_state == ["gathering", "gathering"], (
+                f"FSDP rank {rank}, 3 blocks on 2 ranks: when block i's forward computes, "
+                f"block i + 1's all-gather should be in flight (launched, not waited for); "
+                f"its state per block 0, 1: {next_state} — 'free': launch the next unit's "
+                f"gather too (forward prefetching), 'full': don't wait for it")
         skipped = " (block 1 was skipped after its prefetch)" if model_class else ""
         assert freed == [True, True, True], (
             f"FSDP rank {rank}: when the last layer runs, every block's parameters should be "
@@ -280,6 +362,7 @@ def _check_fsdp(own, replicated=False, hint="", model_class=None):
                 f"FSDP on 2 ranks: rank {rank}'s {name} differs from one process with AdamW by "
                 f"{err:.2g} after {STEPS} steps ({hint})"
             )
+    return runs
 
 
 @pytest.mark.exercise("FullyShardedDataParallel._pre_forward", points=2)
@@ -295,10 +378,16 @@ def test_fsdp_post_forward_frees_and_regathers_for_backward():
     _check_fsdp("_post_forward", hint="are the parameters gathered again before backward?")
 
 
+@pytest.mark.exercise("FullyShardedDataParallel._post_forward", points=1)
+def test_fsdp_post_forward_with_tuple_outputs():
+    _check_fsdp("_post_forward", model_class=_TupleToy,
+                hint="blocks return a tuple: is every tensor of it hooked for the re-gather?")
+
+
 @pytest.mark.exercise("FullyShardedDataParallel._launch_reduce_scatter", points=3)
 def test_fsdp_reduce_scatter_and_all_reduce_of_replicated_params():
-    _check_fsdp("_launch_reduce_scatter", True, hint="are the gradients reduced over the ranks?")
-    _, _, sent, psi = launch(_fsdp, 2, "_launch_reduce_scatter", True, timeout=60)[0]
+    runs = _check_fsdp("_launch_reduce_scatter", True, hint="are the gradients reduced over the ranks?")
+    _, _, sent, psi, _ = runs[0]
     # one step: a reduce-scatter of Ψ fp32 elements, sent (N-1)/N of; all-reduce of the bias
     assert sent["reduce_scatter"] == psi * 4 // 2, (
         f"FSDP on 2 ranks: one step should count {psi * 4 // 2} bytes of reduce-scatter "

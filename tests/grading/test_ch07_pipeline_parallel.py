@@ -17,6 +17,20 @@ F, B, W = "F", "B", "W"
 @pytest.mark.exercise("one_f_one_b_schedule", points=3)
 def test_one_f_one_b_order_bubble_and_memory():
     from minitrain.pipeline import one_f_one_b_schedule, simulate
+    from minitrain.pipeline.check import ScheduleError, validate
+
+    for p, m in [(1, 1), (2, 1), (4, 2), (4, 3), (3, 4)]:  # m < p included: warm-up is capped at m
+        got = one_f_one_b_schedule(p, m)
+        assert isinstance(got, list) and len(got) == p, (
+            f"one_f_one_b_schedule({p}, {m}) must return one list of actions per stage ({p}); "
+            f"got {type(got).__name__} of length {len(got) if hasattr(got, '__len__') else '?'}")
+        try:
+            validate(got, m)
+        except ScheduleError as exc:
+            raise AssertionError(
+                f"one_f_one_b_schedule({p}, {m}) is malformed: {exc} — each stage runs F then "
+                f"B of every micro-batch 0..{m - 1} exactly once; with m < p the warm-up "
+                f"is min(p - s - 1, m) forwards") from None
 
     got = one_f_one_b_schedule(3, 4)
     want = [[(F, 0), (F, 1), (F, 2), (B, 0), (F, 3), (B, 1), (B, 2), (B, 3)],
@@ -57,7 +71,7 @@ def _step(cases):
     from minitrain.pipeline import PipelineStage
 
     out = []
-    for name, schedule, m, v in cases:
+    for name, schedule, m, v, *policy in cases:
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=16, seq_len=8, n_layer=4, n_head=2, d_model=8))
         ref = copy.deepcopy(model)
@@ -65,14 +79,17 @@ def _step(cases):
         x, y = torch.randint(0, 16, (6, 8), generator=g), torch.randint(0, 16, (6, 8), generator=g)
         ref_loss = ref.loss(x, y)
         ref_loss.backward()
-        stage = PipelineStage(model, num_chunks=v)
+        stage = PipelineStage(model, num_chunks=v, checkpointing=policy[0] if policy else None)
         try:
             loss = stage.train_step(x, y, schedule, m)
         except (AttributeError, TypeError, KeyError) as exc:  # bare, deep in the executor
             # (not RuntimeError: its peers' "connection closed" must not look like this rank's)
             hint = (" — x.grad is None: does the received activation require grad "
                     "(.requires_grad_()) so backward fills its gradient?"
-                    if "NoneType" in str(exc) else "")
+                    if "NoneType" in str(exc) else
+                    " — W found no parked gradient: with checkpointing B did the whole backward "
+                    "(state.split_backward is False), so W must do nothing"
+                    if isinstance(exc, KeyError) and "W" in str(schedule) else "")
             raise AssertionError(f"{name}: your run_action raised {type(exc).__name__}: "
                                  f"{exc}{hint}") from exc
         refp = dict(ref.named_parameters())
@@ -87,7 +104,9 @@ def test_run_action_trains_like_one_process():
     from minitrain.pipeline import gpipe_schedule
 
     runs = {2: [("GPipe p=2 m=3", gpipe_schedule(2, 3), 3, 1), ("zero bubble p=2 m=2", ZB_2_2, 2, 1),
-                ("interleaved p=2 m=2 v=2", INTERLEAVED_2_2_2, 2, 2)],
+                ("interleaved p=2 m=2 v=2", INTERLEAVED_2_2_2, 2, 2),
+                # notebook 07 runs zero bubble with checkpointing: B then does the whole backward
+                ("zero bubble p=2 m=2 with checkpointing='full'", ZB_2_2, 2, 1, "full")],
             3: [("1F1B p=3 m=3", ONE_F_ONE_B_3_3, 3, 1), ("GPipe p=3 m=1", gpipe_schedule(3, 1), 1, 1)]}
     for p, cases in runs.items():
         for rank, rows in enumerate(launch(_step, p, cases, timeout=90)):

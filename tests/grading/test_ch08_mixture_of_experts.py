@@ -81,6 +81,15 @@ def test_sort_by_expert():
     sorted_rows.sum().backward()
     assert rows.grad is not None and torch.equal(rows.grad, torch.ones(10, 3)), (
         "sorted_rows must stay differentiable in rows")
+    # many ties: an unstable sort keeps small inputs in order by luck, not 64 rows of 3 experts
+    many = torch.randint(0, 3, (64,), generator=g)
+    _, order, _ = sort_by_expert(torch.randn(64, 2, generator=g), many, 3)
+    want = sorted(range(64), key=lambda i: (int(many[i]), i))
+    assert order.tolist() == want, (
+        f"sort_by_expert of 64 rows over 3 experts (many ties): within an expert the rows must "
+        f"keep their original order — a stable sort (torch.argsort(..., stable=True)); the "
+        f"first difference is at position {next(i for i, (a, b) in enumerate(zip(order.tolist(), want)) if a != b)}: "
+        f"the layer's unsort, capacity drop and expert parallelism all rely on that order")
 
 
 @pytest.mark.exercise("unsort", points=2)
@@ -117,6 +126,10 @@ def test_load_balancing_loss():
     want = 4 * sum(f[e] * float(probs[:, e].detach().mean()) for e in range(4))
     got = load_balancing_loss(probs, indices, 4)
     value = got.item()
+    assert got.requires_grad, (
+        "load_balancing_loss (9 tokens, 4 experts, top-2, probabilities that require grad) "
+        "returned a loss with no gradient: P_i, the mean router probability, must stay in the "
+        "graph (no .detach(), .item() or torch.no_grad) — it is what trains the router")
     assert abs(value - want) < 1e-5, (
         f"top-2: N·Σ f_i·P_i with f = {[round(v, 3) for v in f]} (fractions of the 18 "
         f"assignments) should be {want:.5f}, got {value:.5f}")

@@ -97,6 +97,32 @@ def test_masked_entries_count_for_nothing():
                                          "acc / row_sum", out, want))
 
 
+@pytest.mark.exercise("online_softmax_update", points=1)
+def test_bf16_values_accumulate_in_fp32():
+    # notebook 09 runs flash attention on bf16 inputs: the running state and the scores are
+    # fp32 (the accumulation dtype), v stays bf16 — the tile's probabilities meet v in v's dtype
+    s, v = _randn(4, 6, seed=15), _randn(6, 3, seed=16).to(torch.bfloat16)
+    try:
+        m, row_sum, acc = _fold([s], [v])
+    except NotImplementedError:
+        raise
+    except RuntimeError as exc:
+        raise AssertionError(
+            f"online_softmax_update with fp32 scores and bf16 v (4x6 scores, 6x3 values, as "
+            f"notebook 09's bf16 check runs it) raised RuntimeError: {str(exc).splitlines()[0]} "
+            f"— a matmul needs both sides in one dtype: cast the probabilities to v's dtype "
+            f"for the product, and the product back to acc's dtype") from None
+    assert (m.dtype, row_sum.dtype, acc.dtype) == (torch.float32,) * 3, (
+        f"online_softmax_update with bf16 v: m, row_sum, acc must stay in the accumulation "
+        f"dtype float32 (summing in bf16 loses digits every tile); got {m.dtype}, "
+        f"{row_sum.dtype}, {acc.dtype}")
+    want = torch.softmax(s, -1) @ v.float()
+    got = acc / row_sum[:, None]
+    assert (got - want).abs().max().item() < 2e-2, (
+        f"online_softmax_update with bf16 v: acc / row_sum differs from softmax(s) @ v by "
+        f"{(got - want).abs().max().item():.3g} (bf16 allows about 1e-2)")
+
+
 @pytest.mark.exercise("forward_query_block", points=2)
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_of_a_query_block_matches_softmax_attention(causal):

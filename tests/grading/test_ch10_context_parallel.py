@@ -21,19 +21,30 @@ def _partial(q, k, v):
     return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
 
 
-def _inputs(scale):
+def _inputs(scale, n=5):
     g = torch.Generator().manual_seed(3)
-    q = torch.randn(2, 3, 5, 8, generator=g) * scale
+    q = torch.randn(2, 3, n, 8, generator=g) * scale
     k, v = torch.randn(2, 3, 12, 8, generator=g), torch.randn(2, 3, 12, 8, generator=g)
     return q, k, v
 
 
 @pytest.mark.exercise("merge_attention", points=2)
-@pytest.mark.parametrize("scale", [1.0, 300.0], ids=["ordinary scores", "scores near 1000"])
-def test_merge_equals_attention_over_the_union(scale):
+@pytest.mark.parametrize("scale,n", [(1.0, 5), (300.0, 5), (1.0, 8)],
+                         ids=["ordinary scores", "scores near 1000", "as many queries as features"])
+def test_merge_equals_attention_over_the_union(scale, n):
     from minitrain.context_parallel.merge import merge_attention
 
-    q, k, v = _inputs(scale)
+    q, k, v = _inputs(scale, n)
+    case = f"{n} queries of {q.shape[-1]} features, scores scaled by {scale:g}"
+    try:
+        merge_attention(*_partial(q, k[..., :7, :], v[..., :7, :]), *_partial(q, k[..., 7:, :], v[..., 7:, :]))
+    except NotImplementedError:
+        raise
+    except RuntimeError as exc:
+        raise AssertionError(
+            f"merge_attention ({case}) raised RuntimeError: {str(exc).splitlines()[0]} — the "
+            f"weights have one value per query, shape (..., n): give them a last dimension of "
+            f"1 before multiplying the (..., n, d) outputs") from None
     want_out, want_lse = _partial(q, k, v)
     a, b = _partial(q, k[..., :7, :], v[..., :7, :]), _partial(q, k[..., 7:, :], v[..., 7:, :])
     out, lse = merge_attention(a[0], a[1], b[0], b[1])
@@ -43,12 +54,14 @@ def test_merge_equals_attention_over_the_union(scale):
     err_out, err_lse = (out - want_out).abs().max().item(), (lse - want_lse).abs().max().item()
     at = tuple(int(i) for i in torch.nonzero((out - want_out).abs() == err_out)[0])
     assert err_out <= ATOL * scale, (
-        f"merge_attention: the merged output differs from attention over all keys by "
+        f"merge_attention ({case}): the merged output differs from attention over all keys by "
         f"{err_out:.3g}; at index {at} yours is {out[at].item():.4g}, the reference "
-        f"{want_out[at].item():.4g}")
+        f"{want_out[at].item():.4g}" + (" — with n == d the (..., n) weights broadcast "
+        "against the features instead of the queries: give them a last dimension of 1"
+        if n == q.shape[-1] else ""))
     at = tuple(int(i) for i in torch.nonzero((lse - want_lse).abs() == err_lse)[0])
     assert err_lse <= ATOL * scale, (
-        f"merge_attention: the merged logsumexp differs from the full one by {err_lse:.3g}; "
+        f"merge_attention ({case}): the merged logsumexp differs from the full one by {err_lse:.3g}; "
         f"at index {at} yours is {lse[at].item():.4g}, log(exp(lse_a) + exp(lse_b)) is "
         f"{want_lse[at].item():.4g}")
     swapped, _ = merge_attention(b[0], b[1], a[0], a[1])
@@ -76,6 +89,15 @@ def _ring_case(layout, causal):
 
     events, sent = [], []
     real_isend, real_forward = dist.isend, ring.flash_attention_forward
+    real_step, real_wait = ring.ring_step, ring.Exchange.wait
+
+    def step(*args, **kwargs):  # marks where each of ring_forward's calls begins
+        events.append("step")
+        return real_step(*args, **kwargs)
+
+    def wait(self):
+        events.append("wait")
+        return real_wait(self)
 
     def isend(tensor, *args, **kwargs):
         events.append("send")
@@ -93,10 +115,12 @@ def _ring_case(layout, causal):
     ref.backward(do)
     shards = [shard_sequence(t, layout=layout).requires_grad_() for t in (q, k, v)]
     dist.isend, ring.flash_attention_forward = isend, forward
+    ring.ring_step, ring.Exchange.wait = step, wait
     try:
         y = ring.ring_attention(*shards, causal=causal, layout=layout)
     finally:
         dist.isend, ring.flash_attention_forward = real_isend, real_forward
+        ring.ring_step, ring.Exchange.wait = real_step, real_wait
     y.backward(shard_sequence(do, layout=layout))
     errors = [(y.detach() - shard_sequence(ref.detach(), layout=layout)).abs().max().item()]
     errors += [(s.grad - shard_sequence(f.grad, layout=layout)).abs().max().item()
@@ -125,3 +149,11 @@ def test_ring_attention_with_your_step_equals_full_attention(layout, causal):
         assert "send" in events[:first_compute], (
             f"{where}: start sending the K/V block before computing on it, so the transfer "
             f"overlaps the compute (order seen: {events[:6]})")
+        steps = "/".join(events).split("step")
+        for n, one in enumerate(s.strip("/").split("/") for s in steps[1:]):
+            if "wait" in one and "compute" in one[one.index("wait"):]:
+                raise AssertionError(
+                    f"{where}: in ring_forward's step {n} your ring_step waited for the next "
+                    f"K/V block before computing on the one in hand (order: {one}); wait only "
+                    f"after the compute, so the transfer overlaps it — waiting first leaves "
+                    f"the rank idle for the whole transfer")

@@ -72,13 +72,17 @@ def _real_params(config, tp, pp):
     (GPTConfig(n_layer=2, bias=False, d_ff=96), 2, 1),
     (GPTConfig(n_layer=4, vocab_size=96, n_head=4), 4, 1),
     (GPTConfig(n_layer=5), 1, 3),
-], ids=["tp2-pp2-uneven", "tp2-nobias", "tp4", "pp3"])
+    (GPTConfig(n_layer=2, tie_weights=True), 2, 1),  # the head is the embedding: once
+    (GPTConfig(n_layer=2, tie_weights=True, bias=False), 1, 1),
+], ids=["tp2-pp2-uneven", "tp2-nobias", "tp4", "pp3", "tp2-tied", "tied-nobias"])
 def test_params_per_rank_equals_the_real_model(config, tp, pp):
     from minitrain.parallel import params_per_rank
 
     for rank, coords, actual in launch(_real_params, tp * pp, config, tp, pp, timeout=120):
         stage = coords[0]
         got = params_per_rank(config, tp, pp, stage)
+        tied = " (tie_weights: the head is the token embedding, one matrix)" if config.tie_weights else ""
+        nobias = " (bias=False removes biases, not LayerNorm gains)" if not config.bias else ""
         assert got == actual, (
             f"params_per_rank(tp={tp}, pp={pp}, stage={stage}) = {got}, but rank {rank}'s "
-            f"stage of the real model holds {actual} parameters")
+            f"stage of the real model holds {actual} parameters{tied}{nobias}")

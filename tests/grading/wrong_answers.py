@@ -1,4 +1,4 @@
-"""One typical wrong answer per exercise, and what its grading message must say (issue 21).
+"""Plausible wrong answers per exercise, and what its grading message must say (issues 21, 32).
 
 Each entry is a mistake a learner really makes (an off-by-one, a sum instead of a mean, a
 forgotten rescale or division by the world size), written as an exact replacement of ``old``
@@ -7,7 +7,12 @@ exactly once), and the words the grader's message for that function must contain
 function's name and the offending values, so a learner can act on it without pytest's
 internals. ``tests/test_wrong_answer_messages.py`` grades a few of them (SAMPLE) on every run,
 so the messages cannot silently regress; ``python tests/grading/wrong_answers.py N`` grades
-every wrong answer of chapter N and prints the messages, for reading them as a learner does.
+every wrong answer of chapter N and prints the messages, for reading them as a learner does;
+``python tests/grading/wrong_answers.py N check`` grades them in rounds (the r-th wrong answer
+of every function of the chapter written in together: the grader blames each test's own
+exercise only, so they do not disturb each other) and says, per wrong answer, whether it cost
+its function points with a message holding its words. Issue 32's entries (at least three
+per exercise with these) live in wrong_answers_issue32.py.
 """
 
 from __future__ import annotations
@@ -85,57 +90,57 @@ WRONG_ANSWERS = [
       "current_bytes = [], [], 0\n    for i in reversed(range(len(params))):",
       "current_bytes = [], [], 0\n    for i in range(len(params)):",
       ("assign_buckets",)),
-    W(4, "_on_grad_ready", "sums the gradients but forgets to divide by the world size",
+    W(4, "DataParallel._on_grad_ready", "sums the gradients but forgets to divide by the world size",
       "torch.div(param.grad.reshape(-1), self.world_size, out=bucket.view(k))",
       "bucket.view(k).copy_(param.grad.reshape(-1))", ("rank",)),
     # chapter 5: ZeRO and FSDP
     W(5, "partition_parameters", "round-robin instead of the least-loaded rank",
       "r = min(range(world_size), key=lambda r: (loads[r], r))", "r = i % world_size",
       ("sizes [4, 3, 3, 2, 2] on 2 ranks", "you gave [[0, 2, 4], [1, 3]]")),
-    W(5, "step", "forgets to advance the offset in the gathered buffer",
+    W(5, "ShardedOptimizer.step", "forgets to advance the offset in the gathered buffer",
       "                    offset += n", "                    offset += 0",
       ("ShardedOptimizer steps on 2 ranks, rank 0's", "did every rank receive")),
-    W(5, "_pre_forward", "ZeRO-3: forgets to prefetch the next block",
+    W(5, "ZeroDataParallel._pre_forward", "ZeRO-3: forgets to prefetch the next block",
       "            self._start_gather(self.units[index + 1])", "            pass",
       ("ZeRO-3 rank 0", "launched per block 0, 1: [False, False]")),
-    W(5, "_post_forward", "ZeRO-3: keeps the gathered block after its forward",
+    W(5, "ZeroDataParallel._post_forward", "ZeRO-3: keeps the gathered block after its forward",
       "self._free(self.units[index])\n        if torch.is_grad_enabled()",
       "if torch.is_grad_enabled()", ("ZeRO-3 rank 0", "freed per block: [False, False, False]")),
-    W(5, "_pre_forward", "FSDP: never frees the earlier units",
+    W(5, "FullyShardedDataParallel._pre_forward", "FSDP: never frees the earlier units",
       "for earlier in self.units[:index]:\n            self._free(earlier)",
       "for earlier in self.units[:index]:\n            pass",
       ("FSDP rank 0", "block 1 was skipped", "freed per block: [True, False, True]")),
-    W(5, "_post_forward", "FSDP: keeps the unit gathered after its forward",
+    W(5, "FullyShardedDataParallel._post_forward", "FSDP: keeps the unit gathered after its forward",
       "self._free(self.units[index])\n        for t in", "for t in",
       ("FSDP rank 0", "freed per block: [True, True, False]")),
-    W(5, "_launch_reduce_scatter", "counts elements, not bytes",
+    W(5, "FullyShardedDataParallel._launch_reduce_scatter", "counts elements, not bytes",
       "count_sent(kind, u.padded * buf.element_size(), self.world_size)",
       "count_sent(kind, u.padded, self.world_size)",
       ("should count 548 bytes of reduce-scatter", "counted 137", "elements, not bytes")),
     # chapter 6: tensor parallelism
-    W(6, "forward", "copy to the region: all-reduces in forward too (f confused with g)",
+    W(6, "CopyToParallelRegion", "copy to the region: all-reduces in forward too (f confused with g)",
       "return x.view_as(x)", "return all_reduce(x.clone(), group)",
       ("CopyToParallelRegion (f): forward must return its input unchanged; rank 0 got",)),
-    W(6, "backward", "copy to the region: forgets the all-reduce of the gradient",
+    W(6, "CopyToParallelRegion", "copy to the region: forgets the all-reduce of the gradient",
       "return all_reduce(grad.contiguous().clone(), ctx.group), None", "return grad.clone(), None",
       ("CopyToParallelRegion (f): backward must sum the gradient over the ranks: rank 0",)),
-    W(6, "forward", "reduce from the region: forgets the all-reduce",
+    W(6, "ReduceFromParallelRegion", "reduce from the region: forgets the all-reduce",
       "return all_reduce(x.contiguous().clone(), group)", "return x.clone()",
       ("ReduceFromParallelRegion (g): forward must return the sum over ranks: rank 0 got",)),
-    W(6, "backward", "reduce from the region: all-reduces the gradient again",
+    W(6, "ReduceFromParallelRegion", "reduce from the region: all-reduces the gradient again",
       "        return grad, None", "        return all_reduce(grad.clone(), None), None",
       ("ReduceFromParallelRegion (g): backward must pass the gradient through unchanged",)),
-    W(6, "forward", "column-parallel: forgets f (no all-reduce of the input gradient)",
+    W(6, "ColumnParallelLinear.forward", "column-parallel: forgets f (no all-reduce of the input gradient)",
       "x = copy_to_parallel_region(x, self.group)", "pass",
       ("ColumnParallelLinear {}: rank 0's input gradient differs from the dense layer's",)),
-    W(6, "forward", "row-parallel: adds the bias on every rank before the sum",
+    W(6, "RowParallelLinear.forward", "row-parallel: adds the bias on every rank before the sum",
       "partial = F.linear(x, self.weight)", "partial = F.linear(x, self.weight, self.bias)",
       ("RowParallelLinear {}: rank 0's output differs from the dense layer's",)),
-    W(6, "forward", "vocab-parallel cross-entropy: local max instead of the global one",
+    W(6, "VocabParallelCrossEntropy.forward", "vocab-parallel cross-entropy: local max instead of the global one",
       "m = all_reduce(z.max(dim=-1).values, group, dist.ReduceOp.MAX)",
       "m = z.max(dim=-1).values",
       ("VocabParallelCrossEntropy.forward, logits of size ~10000: rank 0's loss is 15539.86",)),
-    W(6, "backward", "vocab-parallel cross-entropy: gradient not divided by the token count",
+    W(6, "VocabParallelCrossEntropy.backward", "vocab-parallel cross-entropy: gradient not divided by the token count",
       "grad *= grad_loss / mine.numel()", "grad *= grad_loss",
       ("VocabParallelCrossEntropy.backward", "differs from F.cross_entropy's by up to",
        "mean over 24 tokens")),
@@ -188,6 +193,19 @@ WRONG_ANSWERS = [
 ]
 
 
+def _more() -> list[WrongAnswer]:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "wrong_answers_issue32", Path(__file__).with_name("wrong_answers_issue32.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return [WrongAnswer(*entry) for entry in module.MORE]
+
+
+WRONG_ANSWERS += _more()
+
+
 def solution_file(chapter: int) -> Path:
     from minitrain.course.exercises import CHAPTERS
 
@@ -217,12 +235,52 @@ def grade(answers: list[WrongAnswer], chapter: int, timeout: float = 120) -> str
         return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True).stdout
 
 
+def belongs(answer: WrongAnswer, exercise: str) -> bool:
+    """Whether a graded test of ``exercise`` (its marker's name) grades answer's function."""
+    f = answer.function
+    return exercise == f or exercise.endswith("." + f) or f.startswith(exercise + ".")
+
+
+def check(chapter: int, timeout: float = 120, only: list[str] | None = None) -> list[str]:
+    """Grade chapter's wrong answers in rounds (``only``: those whose mistake contains one of
+    these texts); return one line per wrong answer not caught (no failing test of its
+    function, or a message lacking its words)."""
+    from minitrain.course.grade import run_tests
+
+    mine = [a for a in WRONG_ANSWERS if a.chapter == chapter
+            and (not only or any(o in a.mistake for o in only))]
+    rounds: list[list[WrongAnswer]] = []
+    for a in mine:  # the first round without a wrong answer of the same function
+        slot = next((r for r in rounds if all(b.function != a.function for b in r)), None)
+        if slot is None:
+            rounds.append(slot := [])
+        slot.append(a)
+    problems = []
+    for answers in rounds:
+        with tempfile.TemporaryDirectory(prefix="minitrain-wrong-") as tmp:
+            apply(answers, Path(tmp))
+            results = run_tests([chapter], Path(tmp), timeout, verbose=False)
+        for a in answers:
+            failed = [r for r in results if not r["passed"] and belongs(a, r["exercise"])]
+            messages = [r["message"] for r in failed]
+            missing = [w for w in a.words if not any(w.lower() in m.lower() for m in messages)]
+            verdict = "NOT CAUGHT" if not failed else f"lacks {missing}" if missing else "caught"
+            print(f"[{verdict}] ch{chapter} {a.function}: {a.mistake}")
+            for m in messages[:2]:
+                print(f"      -> {m}")
+            if verdict != "caught":
+                problems.append(f"ch{chapter} {a.function} ({a.mistake}): {verdict}")
+    return problems
+
+
 if __name__ == "__main__":
     # python tests/grading/wrong_answers.py N [index | all]: each wrong answer of chapter N
     # graded alone (or the one at index; or all of them written in together, one run)
     chapter = int(sys.argv[1])
     mine = [a for a in WRONG_ANSWERS if a.chapter == chapter]
     which = sys.argv[2] if len(sys.argv) > 2 else None
+    if which == "check":  # ... N check ["text in the mistake" ...]
+        sys.exit(1 if check(chapter, only=sys.argv[3:]) else 0)
     if which == "all":
         print(grade(mine, chapter))
     for a in [] if which == "all" else [mine[int(which)]] if which else mine:
