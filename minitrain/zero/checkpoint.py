@@ -14,6 +14,9 @@ Safety, so a crash mid-save never costs the last good checkpoint:
   agrees on the verdict before touching anything, so a truncated or foreign shard is a
   ``CheckpointError`` naming the file on every rank (no hang), and the model is unchanged.
 - ``torch.load(weights_only=True)``: a checkpoint can only contain tensors and plain data.
+- every file's SHA-256 is in ``meta.json`` and checked before the file is unpickled: a flipped
+  byte in a weight unpickles fine (and trains on garbage), so only the checksum can see it.
+- a save that fails (disk full) removes its ``.partial`` directory: no ``.tmp`` files are left.
 
 Same world size: each rank loads its own shard back, bit for bit. Another world size (or
 stage): every rank reads all shards, rebuilds each full parameter and each per-element
@@ -22,6 +25,8 @@ optimizer state by name, and cuts its new slice ("resharding").
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import shutil
@@ -56,6 +61,33 @@ def atomic_write(path: str, write) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half
+
+
+def serialized(obj) -> tuple[bytes, str]:
+    """``torch.save(obj)``'s bytes and their SHA-256 (hex), to write and to record in meta.json."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    data = buf.getvalue()
+    return data, hashlib.sha256(data).hexdigest()
+
+
+def load_verified(path: str, sha256: str | None, what: str = "checkpoint file"):
+    """``torch.load(path, weights_only=True)`` after checking the bytes against ``sha256`` (the
+    digest meta.json recorded; ``None``: a checkpoint from before checksums, not checked)."""
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"{what} {path} is missing") from None
+    try:  # weights_only: unpickling even a damaged file can only build tensors and plain data
+        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"{what} {path} cannot be read (truncated or corrupt?): "
+                              f"{type(exc).__name__}: {str(exc)[:150]}") from None
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise CheckpointError(f"{what} {path} is corrupt: its SHA-256 differs from the one "
+                              f"recorded in meta.json when it was written")
+    return payload
 
 
 def _layout(zdp) -> list[dict]:
@@ -168,34 +200,41 @@ def save_checkpoint(
         "optimizer": _unit_state(zdp, opt),
         "extra": extra or {},
     }
+    digest = None
     try:
-        atomic_write(
-            os.path.join(partial, f"shard_{rank:05d}.pt"), lambda fh: torch.save(payload, fh)
-        )
+        data, digest = serialized(payload)
+        atomic_write(os.path.join(partial, f"shard_{rank:05d}.pt"), lambda fh: fh.write(data))
     except Exception as exc:  # e.g. disk full: every rank must hear about it
         error = f"rank {rank} could not write its shard in {partial}: {exc}"
-    agree_on_errors(error, group)
+    agree_on_errors_or_clean(error, partial, rank, group)
+    digests = [None] * world
+    dist.all_gather_object(digests, digest, group=group)
     if rank == 0:
         try:
-            text = json.dumps({**meta, "files": [f"shard_{r:05d}.pt" for r in range(world)]})
+            text = json.dumps({**meta, "files": [f"shard_{r:05d}.pt" for r in range(world)],
+                               "sha256": digests})
             atomic_write(os.path.join(partial, "meta.json"), lambda fh: fh.write(text.encode()))
             os.replace(partial, final)  # the checkpoint appears whole, or not at all
         except Exception as exc:
             error = f"rank 0 could not complete checkpoint {final}: {exc}"
-    agree_on_errors(error, group)
+    agree_on_errors_or_clean(error, partial, rank, group)
     return final
 
 
-def _read_shard(path: str, meta: dict, rank: int) -> dict:
+def agree_on_errors_or_clean(error, partial: str, rank: int, group=None, what: str = "") -> None:
+    """``agree_on_errors``; when a rank failed, rank 0 removes the ``.partial`` directory (the
+    others have stopped writing: they are all here) before every rank raises."""
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint shard {path} is missing") from None
-    except Exception as exc:
-        raise CheckpointError(
-            f"checkpoint shard {path} cannot be read (truncated or corrupt?): "
-            f"{type(exc).__name__}: {str(exc)[:200]}"
-        ) from None
+        agree_on_errors(error, group, what)
+    except CheckpointError:
+        if rank == 0:
+            shutil.rmtree(partial, ignore_errors=True)
+        raise
+
+
+def _read_shard(path: str, meta: dict, rank: int) -> dict:
+    digests = meta.get("sha256")
+    payload = load_verified(path, digests[rank] if digests else None, "checkpoint shard")
     mine = payload.get("meta", {}) if isinstance(payload, dict) else {}
     expected = {
         "id": meta["id"],
