@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import socket
 import tempfile
+import threading
 import time
 
 import cloudpickle
@@ -107,7 +109,33 @@ def _forkserver():
     if _context is None:
         _context = mp.get_context("forkserver")
         _context.set_forkserver_preload(_PRELOAD)
+    _start_helpers()
     return _context
+
+
+def _start_helpers() -> None:
+    """Start the forkserver and the resource tracker with SIGINT ignored (no-op when running).
+
+    Ctrl-C signals the whole process group, helpers included; one that is still importing torch
+    would die of it with a traceback on the command's stderr (seen in 2 of 40 tries under
+    load). An ignored signal stays ignored across exec, and Python then leaves it so. Here it
+    is blocked meanwhile: on Linux a blocked signal stays pending even while ignored, and is
+    delivered to the launcher once its handler and the mask are back.
+    """
+    from multiprocessing import forkserver, resource_tracker
+
+    if not hasattr(signal, "pthread_sigmask"):
+        return
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    main = threading.current_thread() is threading.main_thread()
+    old_handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+    try:
+        resource_tracker.ensure_running()
+        forkserver.ensure_running()
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, old_handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
 
 def launch(
@@ -154,8 +182,34 @@ def launch(
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: no DNS, no real NIC
     ctx = _forkserver()
     with signals_interrupt():  # a signal now stops the ranks (the finally below), then raises
-        return _run_ranks(ctx, fn, world_size, backend, payload, initializers, threads,
-                          timeout, print_output)
+        try:
+            return _run_ranks(ctx, fn, world_size, backend, payload, initializers, threads,
+                              timeout, print_output)
+        except KeyboardInterrupt:
+            with signals_deferred():
+                _stop_forkserver()
+            raise
+
+
+def _stop_forkserver() -> None:
+    """Kill the forkserver after an interrupt (the next launch starts a new one, ~1 s).
+
+    Left alone it exits only once it notices its clients are gone — after it has finished
+    importing torch if the signal came while it started, ~10 s on a busy machine — and it holds
+    the command's stdout meanwhile. Python offers no public way to stop it: ``_stop`` is what
+    CPython's own tests use; where it is missing, the server is left to exit by itself.
+    """
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if not pid:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+        server._stop()  # closes its pipe, reaps it, forgets it
+    except Exception:  # noqa: BLE001 — best effort: it would exit by itself anyway
+        pass
 
 
 def loopback_store() -> dist.TCPStore:
