@@ -235,5 +235,5 @@ def test_a_nproc_run_ends_without_warnings_or_progress_frames(tmp_path):
                            "--dp", "2", "--steps", "2"], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "\r" not in done.stderr and "leaked" not in done.stderr, done.stderr
+    assert "\r" not in done.stderr + done.stdout and "leaked" not in done.stderr, done.stderr
     assert done.stderr.strip() == "", done.stderr
