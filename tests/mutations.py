@@ -49,7 +49,7 @@ class Mutation(NamedTuple):
 
 DDP, FP8 = "minitrain/ddp/data_parallel.py", "minitrain/precision/fp8.py"
 # issue 30: checkpoint checksums and clean-up; the command's refusals and one-line errors
-ZERO_CKPT, COMMAND_ERRORS = "minitrain/zero/checkpoint.py", "minitrain/parallel/command_errors.py"
+ZERO_CKPT, COMMAND_ERRORS = "minitrain/zero/checkpoint_files.py", "minitrain/parallel/command_errors.py"
 DDP_BUCKETS = "minitrain/ddp/gradient_bucket.py"  # a bucket's flat buffer, all-reduce and write-back
 ZERO, COMPOSE = "minitrain/zero/data_parallel.py", "tests/test_composition.py"
 # issue 14: stage 3's gather/free hooks and ordered reductions moved here, shared with FSDP
@@ -816,7 +816,7 @@ MUTATIONS = [
     # issue 30: runs that fail safely (signals, checksums, loopback store, one-line errors)
     Mutation(
         "issue 30: SIGTERM to the launcher kills it at once (no handler: ranks orphaned, no message)",
-        "minitrain/runtime/launch_errors.py",
+        "minitrain/runtime/stopping.py",
         "    old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}",
         "    old = {s: signal.signal(s, handler) for s in (signal.SIGINT,)}",
         ["tests/test_fault_signals.py::test_sigterm_to_the_main_process_stops_every_rank_and_resume_is_bit_exact"],

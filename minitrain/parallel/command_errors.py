@@ -18,14 +18,15 @@ import signal
 import sys
 import tempfile
 
-from minitrain.runtime.launch_errors import Interrupted, LaunchError, signals_interrupt
+from minitrain.runtime.launch_errors import LaunchError
+from minitrain.runtime.stopping import Interrupted, signals_interrupt
 from minitrain.zero.checkpoint import CheckpointError, latest_checkpoint
 
 PROG = "minitrain.train"
 
 # the exceptions a rank may raise that are an operator's problem, not a bug (one line each)
 EXPECTED = {
-    "minitrain.zero.checkpoint.CheckpointError",
+    f"{CheckpointError.__module__}.{CheckpointError.__qualname__}",
     "builtins.FileNotFoundError",
     "builtins.PermissionError",
     "builtins.IsADirectoryError",

@@ -38,10 +38,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import signal
 import socket
 import tempfile
-import threading
 import time
 
 import cloudpickle
@@ -49,13 +47,7 @@ import torch
 import torch.distributed as dist
 
 # waiting for the ranks and naming the one that failed: its own file (launch_errors.py)
-from minitrain.runtime.launch_errors import (  # noqa: F401 — API too
-    Interrupted,
-    LaunchError,
-    signals_deferred,
-    signals_interrupt,
-    wait_for_ranks,
-)
+from minitrain.runtime.launch_errors import LaunchError, wait_for_ranks  # noqa: F401 — API too
 from minitrain.runtime.rank import (  # noqa: F401 — part of this module's API too
     HOST,
     default_backend,
@@ -63,6 +55,15 @@ from minitrain.runtime.rank import (  # noqa: F401 — part of this module's API
     init_from_env,
     rank_main,
     running_under_torchrun,
+)
+
+# stop signals, and the forkserver started and stopped around them: stopping.py
+from minitrain.runtime.stopping import (  # noqa: F401 — Interrupted is part of the API
+    Interrupted,
+    signals_deferred,
+    signals_interrupt,
+    start_helpers,
+    stop_forkserver,
 )
 
 _PRELOAD = ["torch", "torch.distributed", "cloudpickle", "minitrain.runtime.launch", "minitrain.runtime.rank"]
@@ -109,33 +110,8 @@ def _forkserver():
     if _context is None:
         _context = mp.get_context("forkserver")
         _context.set_forkserver_preload(_PRELOAD)
-    _start_helpers()
+    start_helpers()
     return _context
-
-
-def _start_helpers() -> None:
-    """Start the forkserver and the resource tracker with SIGINT ignored (no-op when running).
-
-    Ctrl-C signals the whole process group, helpers included; one that is still importing torch
-    would die of it with a traceback on the command's stderr (seen in 2 of 40 tries under
-    load). An ignored signal stays ignored across exec, and Python then leaves it so. Here it
-    is blocked meanwhile: on Linux a blocked signal stays pending even while ignored, and is
-    delivered to the launcher once its handler and the mask are back.
-    """
-    from multiprocessing import forkserver, resource_tracker
-
-    if not hasattr(signal, "pthread_sigmask"):
-        return
-    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    main = threading.current_thread() is threading.main_thread()
-    old_handler = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
-    try:
-        resource_tracker.ensure_running()
-        forkserver.ensure_running()
-    finally:
-        if main:
-            signal.signal(signal.SIGINT, old_handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
 
 def launch(
@@ -187,29 +163,8 @@ def launch(
                               timeout, print_output)
         except KeyboardInterrupt:
             with signals_deferred():
-                _stop_forkserver()
+                stop_forkserver()
             raise
-
-
-def _stop_forkserver() -> None:
-    """Kill the forkserver after an interrupt (the next launch starts a new one, ~1 s).
-
-    Left alone it exits only once it notices its clients are gone — after it has finished
-    importing torch if the signal came while it started, ~10 s on a busy machine — and it holds
-    the command's stdout meanwhile. Python offers no public way to stop it: ``_stop`` is what
-    CPython's own tests use; where it is missing, the server is left to exit by itself.
-    """
-    from multiprocessing import forkserver
-
-    server = getattr(forkserver, "_forkserver", None)
-    pid = getattr(server, "_forkserver_pid", None)
-    if not pid:
-        return
-    try:
-        os.kill(pid, signal.SIGKILL)
-        server._stop()  # closes its pipe, reaps it, forgets it
-    except Exception:  # noqa: BLE001 — best effort: it would exit by itself anyway
-        pass
 
 
 def loopback_store() -> dist.TCPStore:

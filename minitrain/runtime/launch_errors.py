@@ -9,20 +9,14 @@ Why this way: a rank that raises sends its traceback text (and what it printed) 
 pipe (``minitrain.runtime.rank.rank_main``); one that dies sends nothing, so its process sentinel
 says so; one that is stuck past the timeout is asked for its Python stack (faulthandler
 on SIGUSR1, written to a file), so the error shows the collective or recv it waits in.
-
-Signals (issue 30): a supervisor (systemd, Slurm, a notebook's interrupt) signals the main
-process only, and Ctrl-C signals the whole group. ``signals_interrupt()`` turns SIGTERM, SIGINT
-and SIGHUP in the main process into ``Interrupted`` (a ``KeyboardInterrupt``), so the launcher's
-``finally`` stops every rank; the ranks ignore SIGINT and leave the decision to the parent.
+Stop signals (SIGINT, SIGTERM) and the launcher's helpers: ``stopping.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing.connection as mpc
 import os
 import signal
-import threading
 import time
 
 
@@ -34,55 +28,6 @@ class LaunchError(RuntimeError):
         self.ranks = ranks
         # what the rank raised: its class (module.qualname) and str(), for one-line reports
         self.error_type, self.error_text = error_type, error_text
-
-
-class Interrupted(KeyboardInterrupt):
-    """The main process got a signal (SIGINT, SIGTERM, SIGHUP); ``.signum`` says which."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-@contextlib.contextmanager
-def signals_interrupt():
-    """Within the block, SIGINT/SIGTERM/SIGHUP raise ``Interrupted`` in the main thread (a
-    KeyboardInterrupt, which a notebook shows as an interrupt); outside it, the old handlers.
-    Elsewhere than the main thread Python cannot set handlers: the block changes nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise Interrupted(signum)
-
-    old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
-@contextlib.contextmanager
-def signals_deferred():
-    """Within the block (the launcher's clean-up), a stop signal is remembered, not raised: the
-    clean-up that stops the ranks must not itself be cut short. Raised when the block ends."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    got = []
-    old = {s: signal.signal(s, lambda signum, frame: got.append(signum)) for s in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    if got:
-        raise Interrupted(got[0])
 
 
 def wait_for_ranks(procs, conns, timeout, stack_dir):

@@ -25,8 +25,6 @@ optimizer state by name, and cuts its new slice ("resharding").
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import os
 import shutil
@@ -34,60 +32,18 @@ import uuid
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ProcessGroup
+
+# the files' side (errors every rank agrees on, atomic writes, checksums): checkpoint_files.py
+from minitrain.zero.checkpoint_files import (  # noqa: F401 — importable from here as before
+    CheckpointError,
+    agree_on_errors,
+    agree_on_errors_or_clean,
+    atomic_write,
+    load_verified,
+    serialized,
+)
 
 FORMAT = 1
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, unreadable or does not match; the message names the file."""
-
-
-def agree_on_errors(error: str | None, group: ProcessGroup | None = None, what: str = "") -> None:
-    """Every rank learns every rank's error: all raise together or none does (no hang).
-    ``what`` (e.g. "saving a checkpoint") prefixes the message."""
-    errors = [None] * dist.get_world_size(group)
-    dist.all_gather_object(errors, error, group=group)
-    found = list(dict.fromkeys(e for e in errors if e))
-    if found:
-        raise CheckpointError((f"{what}: " if what else "") + "; ".join(found))
-
-
-def atomic_write(path: str, write) -> None:
-    """``write(file)`` into ``path.tmp``, flushed to disk, then renamed onto ``path``."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as fh:
-        write(fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half
-
-
-def serialized(obj) -> tuple[bytes, str]:
-    """``torch.save(obj)``'s bytes and their SHA-256 (hex), to write and to record in meta.json."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    data = buf.getvalue()
-    return data, hashlib.sha256(data).hexdigest()
-
-
-def load_verified(path: str, sha256: str | None, what: str = "checkpoint file"):
-    """``torch.load(path, weights_only=True)`` after checking the bytes against ``sha256`` (the
-    digest meta.json recorded; ``None``: a checkpoint from before checksums, not checked)."""
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except FileNotFoundError:
-        raise CheckpointError(f"{what} {path} is missing") from None
-    try:  # weights_only: unpickling even a damaged file can only build tensors and plain data
-        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise CheckpointError(f"{what} {path} cannot be read (truncated or corrupt?): "
-                              f"{type(exc).__name__}: {str(exc)[:150]}") from None
-    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
-        raise CheckpointError(f"{what} {path} is corrupt: its SHA-256 differs from the one "
-                              f"recorded in meta.json when it was written")
-    return payload
 
 
 def _layout(zdp) -> list[dict]:
@@ -219,17 +175,6 @@ def save_checkpoint(
             error = f"rank 0 could not complete checkpoint {final}: {exc}"
     agree_on_errors_or_clean(error, partial, rank, group)
     return final
-
-
-def agree_on_errors_or_clean(error, partial: str, rank: int, group=None, what: str = "") -> None:
-    """``agree_on_errors``; when a rank failed, rank 0 removes the ``.partial`` directory (the
-    others have stopped writing: they are all here) before every rank raises."""
-    try:
-        agree_on_errors(error, group, what)
-    except CheckpointError:
-        if rank == 0:
-            shutil.rmtree(partial, ignore_errors=True)
-        raise
 
 
 def _read_shard(path: str, meta: dict, rank: int) -> dict:
