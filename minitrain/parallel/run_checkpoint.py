@@ -101,14 +101,19 @@ def load_run(path: str, identity: dict) -> tuple[int, dict]:
                                   f"this run {world}")
         file = os.path.join(path, f"rank_{rank:05d}.pt")
         digests = meta.get("sha256")
-        payload = load_verified(file, digests[rank] if digests else None)
-        mine = payload.get("meta", {})
-        if mine.get("id") != meta["id"] or mine.get("rank") != rank:
-            raise CheckpointError(f"checkpoint file {file} belongs to another checkpoint "
-                                  f"(id {mine.get('id')}, rank {mine.get('rank')})")
+        payload = load_verified(file, digests[rank] if digests else None,
+                                check=lambda p: _check_file(file, p, meta["id"], rank))
     except CheckpointError as exc:
         error = f"rank {rank}: {exc}"
     except (OSError, ValueError, KeyError) as exc:
         error = f"rank {rank}: checkpoint metadata {meta_path} is missing or invalid: {exc}"
     agree_on_errors(error, what=f"cannot resume from {path}")
     return meta["step"], payload["state"]
+
+
+def _check_file(file: str, payload, ident: str, rank: int) -> None:
+    """A file of this checkpoint and this rank (checked before its checksum: says more)."""
+    mine = payload.get("meta", {}) if isinstance(payload, dict) else {}
+    if mine.get("id") != ident or mine.get("rank") != rank:
+        raise CheckpointError(f"checkpoint file {file} belongs to another checkpoint "
+                              f"(id {mine.get('id')}, rank {mine.get('rank')})")

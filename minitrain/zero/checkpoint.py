@@ -179,7 +179,11 @@ def save_checkpoint(
 
 def _read_shard(path: str, meta: dict, rank: int) -> dict:
     digests = meta.get("sha256")
-    payload = load_verified(path, digests[rank] if digests else None, "checkpoint shard")
+    return load_verified(path, digests[rank] if digests else None, "checkpoint shard",
+                         check=lambda payload: _check_shard(path, payload, meta, rank))
+
+
+def _check_shard(path: str, payload, meta: dict, rank: int) -> None:
     mine = payload.get("meta", {}) if isinstance(payload, dict) else {}
     expected = {
         "id": meta["id"],
@@ -196,7 +200,6 @@ def _read_shard(path: str, meta: dict, rank: int) -> dict:
             f"{mine.get('world_size')}; expected step {meta['step']}, rank {rank} of "
             f"{meta['world_size']})"
         )
-    return payload
 
 
 def load_checkpoint(zdp, path: str, optimizer=None) -> dict:

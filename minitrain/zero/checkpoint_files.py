@@ -56,7 +56,7 @@ def serialized(obj) -> tuple[bytes, str]:
     return data, hashlib.sha256(data).hexdigest()
 
 
-def load_verified(path: str, sha256: str | None, what: str = "checkpoint file"):
+def load_verified(path: str, sha256: str | None, what: str = "checkpoint file", check=None):
     """``torch.load(path, weights_only=True)`` after checking the bytes against ``sha256`` (the
     digest meta.json recorded; ``None``: a checkpoint from before checksums, not checked)."""
     try:
@@ -69,6 +69,8 @@ def load_verified(path: str, sha256: str | None, what: str = "checkpoint file"):
     except Exception as exc:
         raise CheckpointError(f"{what} {path} cannot be read (truncated or corrupt?): "
                               f"{type(exc).__name__}: {str(exc)[:150]}") from None
+    if check is not None:  # "belongs to another checkpoint" says more than a checksum would
+        check(payload)
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
         raise CheckpointError(f"{what} {path} is corrupt: its SHA-256 differs from the one "
                               f"recorded in meta.json when it was written")
