@@ -199,7 +199,7 @@ def test_no_socket_of_a_launch_listens_beyond_loopback():
 
 
 # --------------------------------------------------------------------------- first-run papercuts
-def _grade_untouched_broadcast():
+def _grade_untouched_broadcast(root):
     import importlib.util
     from pathlib import Path
 
@@ -209,20 +209,19 @@ def _grade_untouched_broadcast():
         raise NotImplementedError("exercise: write broadcast (see its docstring)")
 
     p2p.broadcast = stub
-    path = Path(os.environ["MINITRAIN_TEST_ROOT"]) / "tests/grading/test_ch00_point_to_point.py"
+    path = Path(root) / "tests/grading/test_ch00_point_to_point.py"
     spec = importlib.util.spec_from_file_location("graded_ch00", path)
     graded = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(graded)
     return graded._broadcast_vs_torch(0, p2p.torch.float32)
 
 
-def test_grading_the_untouched_broadcast_stub_says_not_written_yet(monkeypatch):
+def test_grading_the_untouched_broadcast_stub_says_not_written_yet():
     from minitrain.runtime import LaunchError
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    monkeypatch.setenv("MINITRAIN_TEST_ROOT", root)
-    with pytest.raises(LaunchError) as exc:
-        launch(_grade_untouched_broadcast, 2, timeout=60, print_output=False)
+    with pytest.raises(LaunchError) as exc:  # ranks see no later change of the environment
+        launch(_grade_untouched_broadcast, 2, root, timeout=60, print_output=False)
     assert exc.value.error_type == "builtins.NotImplementedError", str(exc.value)
     assert "sends to itself" not in str(exc.value)
 
