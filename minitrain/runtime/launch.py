@@ -129,7 +129,11 @@ def launch(
     NCCL when every rank has a GPU; ``MINITRAIN_BACKEND`` overrides). Whatever a rank
     prints is shown afterwards by the parent, prefixed ``[rank r]`` (``print_output``).
     Raises ``LaunchError`` naming the rank when a rank raises, dies or does not finish
-    within ``timeout`` seconds; the other ranks are then killed.
+    within ``timeout`` seconds; the other ranks are then killed. SIGINT, SIGTERM or SIGHUP
+    meanwhile stop every rank, then raise ``Interrupted`` (a ``KeyboardInterrupt``).
+
+    In a script, call it under ``if __name__ == "__main__":`` — each rank imports the script's
+    main module, and an unguarded call would run again there.
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"launch: world_size must be a whole number ≥ 1, got {world_size!r}")
