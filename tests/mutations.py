@@ -48,6 +48,8 @@ class Mutation(NamedTuple):
 
 
 DDP, FP8 = "minitrain/ddp/data_parallel.py", "minitrain/precision/fp8.py"
+# issue 30: checkpoint checksums and clean-up; the command's refusals and one-line errors
+ZERO_CKPT, COMMAND_ERRORS = "minitrain/zero/checkpoint_files.py", "minitrain/parallel/command_errors.py"
 DDP_BUCKETS = "minitrain/ddp/gradient_bucket.py"  # a bucket's flat buffer, all-reduce and write-back
 ZERO, COMPOSE = "minitrain/zero/data_parallel.py", "tests/test_composition.py"
 # issue 14: stage 3's gather/free hooks and ordered reductions moved here, shared with FSDP
@@ -1150,6 +1152,91 @@ MUTATIONS = [
         "        use = learners if _matches(qualname, exercise) else reference",
         "        use = learners",
         ["tests/test_wrong_answer_messages.py::test_a_mistake_costs_only_its_own_exercise"],
+    ),
+    Mutation(
+        "issue 30: SIGTERM to the launcher kills it at once (no handler: ranks orphaned, no message)",
+        "minitrain/runtime/stopping.py",
+        "    old = {s: signal.signal(s, handler) for s in STOP_SIGNALS}",
+        "    old = {s: signal.signal(s, handler) for s in (signal.SIGINT,)}",
+        ["tests/test_fault_signals.py::test_sigterm_to_the_main_process_stops_every_rank_and_resume_is_bit_exact"],
+    ),
+    Mutation(
+        "issue 30: no lifeline: ranks outlive a launcher killed with SIGKILL",
+        "minitrain/runtime/rank.py",
+        "    if lifeline is not None:\n        _leave_when_parent_goes(lifeline)",
+        "    if False:\n        _leave_when_parent_goes(lifeline)",
+        ["tests/test_fault_signals.py::test_sigkill_of_the_launcher_leaves_no_rank"],
+    ),
+    Mutation(
+        "issue 30: the rendezvous store listens on every interface",
+        "minitrain/runtime/launch.py",
+        "    store = loopback_store()\n",
+        "    store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, use_libuv=True)\n",
+        ["tests/test_faults.py::test_no_socket_of_a_launch_listens_beyond_loopback"],
+    ),
+    Mutation(
+        "issue 30: checkpoint checksums not verified on load (a flipped byte trains on)",
+        ZERO_CKPT,
+        "    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:",
+        "    if False:",
+        ["tests/test_faults.py::test_a_flipped_byte_in_a_rank_file_stops_resume_naming_the_file",
+         "tests/test_faults.py::test_a_flipped_byte_stops_resume_in_one_process_too"],
+    ),
+    Mutation(
+        "issue 30: a failed save leaves its .partial directory",
+        ZERO_CKPT,
+        "        if rank == 0:\n            shutil.rmtree(partial, ignore_errors=True)\n        raise",
+        "        raise",
+        ["tests/test_faults.py::test_a_full_disk_is_one_line_and_leaves_no_partial_directory"],
+    ),
+    Mutation(
+        "issue 30: --steps 0 accepted (exits 0, trains nothing)",
+        COMMAND_ERRORS,
+        '        ("--steps", args["steps"] >= 1, "must be at least 1"),',
+        '        ("--steps", True, "must be at least 1"),',
+        ["tests/test_faults.py::test_bad_values_are_refused_in_one_line_naming_the_flag"],
+    ),
+    Mutation(
+        "issue 30: a fresh run writes into another run's checkpoints",
+        COMMAND_ERRORS,
+        '    if complete and not args.get("overwrite"):',
+        "    if False:",
+        ["tests/test_faults.py::test_a_fresh_run_into_another_runs_checkpoints_is_refused_unless_overwrite"],
+    ),
+    Mutation(
+        "issue 30: an unwritable --checkpoint-dir found only at the first save",
+        COMMAND_ERRORS,
+        '    _probe(parser, "--checkpoint-dir", ckpt, ckpt)',
+        "    pass",
+        ["tests/test_faults.py::test_a_read_only_checkpoint_dir_is_refused_before_step_1"],
+    ),
+    Mutation(
+        "issue 30: the log after a resume repeats the steps after the checkpoint",
+        COMMAND_ERRORS,
+        '                    if json.loads(line)["step"] < first_step:',
+        "                    if True:",
+        ["tests/test_faults.py::test_the_log_after_a_resume_holds_each_step_once"],
+    ),
+    Mutation(
+        "issue 30: a CheckpointError under the launcher printed with the rank's traceback",
+        COMMAND_ERRORS,
+        "        if exc.error_type in EXPECTED:",
+        "        if False:",
+        ["tests/test_faults.py::test_a_flipped_byte_in_a_rank_file_stops_resume_naming_the_file"],
+    ),
+    Mutation(
+        "issue 30: tqdm writes its frames when stderr is not a terminal (and leaks a semaphore)",
+        "minitrain/parallel/command.py",
+        " and sys.stderr.isatty():",
+        ":",
+        ["tests/test_faults.py::test_a_nproc_run_ends_without_warnings_or_progress_frames"],
+    ),
+    Mutation(
+        "issue 30: grading the untouched broadcast stub blames a send to itself",
+        "tests/grading/test_ch00_point_to_point.py",
+        "        except NotImplementedError:  # the untouched stub: \"not written yet\", not a send's fault\n            raise\n",
+        "",
+        ["tests/test_faults.py::test_grading_the_untouched_broadcast_stub_says_not_written_yet"],
     ),
 ]
 

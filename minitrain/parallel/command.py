@@ -30,24 +30,30 @@ import torch.distributed as dist
 
 from minitrain.data import TextData
 from minitrain.model import GPTConfig
+from minitrain.parallel.command_errors import (
+    OneLineParser,
+    check_storage,
+    check_values,
+    open_log,
+    run_reporting,
+)
 from minitrain.parallel.mesh import check_layout
 from minitrain.parallel.parallelize import PRECISIONS, check_moe_composition, full_layout
 from minitrain.parallel.run_checkpoint import (
-    CheckpointError,
     latest_checkpoint,
     load_run,
     save_run,
 )
 from minitrain.parallel.schedule import SCHEDULES, lr_at
 from minitrain.parallel.trainer import ParallelGPT
-from minitrain.runtime import LaunchError, run, running_under_torchrun
+from minitrain.runtime import run, running_under_torchrun
 from minitrain.step import flops_per_token, mfu
 
 CPU_PEAK_FLOPS = 118.4e9  # per rank: this course machine's fp32 FMA peak per core (bench mfu)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m minitrain.train", description=__doc__,
+    p = OneLineParser(prog="python -m minitrain.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
     layout = p.add_argument_group("layout (dp × tp × pp × cp must equal the number of ranks)")
@@ -94,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--checkpoint-dir", default=None)
     out.add_argument("--checkpoint-every", type=int, default=0, help="steps (0: only at the end)")
     out.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    out.add_argument("--overwrite", action="store_true",
+                     help="a fresh run may replace the checkpoints already in --checkpoint-dir")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
     out.add_argument("--timeout", type=float, default=900.0, help="seconds (with --nproc)")
     return p
@@ -225,11 +233,11 @@ def train_rank(args: dict) -> dict:
     fpt = flops_per_token(config)
     world = dist.get_world_size()
     bar = None
-    if rank == 0 and not args["no_progress"]:
+    if rank == 0 and not args["no_progress"] and sys.stderr.isatty():  # no \r frames in a file
         from tqdm import tqdm
 
         bar = tqdm(total=args["steps"], initial=first, desc="train", unit="step", file=sys.stderr)
-    log = open(args["log_file"], "a" if args["resume"] else "w") if rank == 0 and \
+    log = open_log(args["log_file"], first, args["resume"]) if rank == 0 and \
         args["log_file"] else None
     records = []
     try:
@@ -290,6 +298,7 @@ def main(argv=None) -> int:
             parser.error(f"impossible layout: {layout} ranks, but torchrun started {have}")
     elif args["nproc"] is not None and args["nproc"] != world:
         parser.error(f"impossible layout: {layout} ranks, but --nproc is {args['nproc']}")
+    check_values(parser, args)
     check_schedule_and_data(parser, args)
     problem = check_moe_flags(args)
     if problem:
@@ -299,14 +308,17 @@ def main(argv=None) -> int:
                      args["seq_len"], args["batch_size"], args["microbatches"])
     except ValueError as exc:
         parser.error(str(exc))
-    try:
+    check_storage(parser, args, rank0=os.environ.get("RANK", "0") == "0")
+
+    def train():
         if world == 1 and not running_under_torchrun():
-            results = [_in_this_process(args)]  # no worker: the progress bar is live
-        else:  # --nproc ranks print through the launcher, after they finish
-            results = run(train_rank, world, args, timeout=args["timeout"])
-    except (LaunchError, CheckpointError) as exc:  # in this process: a CheckpointError itself
-        print(f"minitrain.train: {exc}", file=sys.stderr)
-        return 1
+            return [_in_this_process(args)]  # no worker: the progress bar is live
+        # --nproc ranks print through the launcher, after they finish
+        return run(train_rank, world, args, timeout=args["timeout"])
+
+    results, status = run_reporting(train, args)
+    if status:
+        return status
     mine = [results] if running_under_torchrun() else results
     first = mine[0]
     if first["rank"] == 0 and first["records"]:

@@ -13,9 +13,11 @@ are reused):
   and renamed; once every rank has written, rank 0 renames the directory to ``step_N/``.
   A crash or Ctrl-C at any moment leaves the previous ``step_M/`` whole;
 - loading checks the metadata (same model, same layout, the same learning-rate flags: the
-  caller's identity keys named after flags, "--lr", are reported as flags) and each rank's file (readable, same
-  id), and every rank agrees on the verdict before anything changes: a corrupt file or a
-  checkpoint of another layout is a ``CheckpointError`` naming it, on every rank, no hang.
+  caller's identity keys named after flags, "--lr", are reported as flags) and each rank's
+  file (readable, same id, the SHA-256 meta.json recorded for it), and every rank agrees on
+  the verdict before anything changes: a corrupt file or a checkpoint of another layout is a
+  ``CheckpointError`` naming it, on every rank, no hang;
+- a save that fails on any rank (disk full) removes its ``.partial`` directory.
 
 A rank's file holds what continuing *bit-exactly* needs: its parameter shards, its optimizer
 state, the RNG state, and the step (the data position: batches are a function of the step).
@@ -28,11 +30,16 @@ import os
 import shutil
 import uuid
 
-import torch
 import torch.distributed as dist
 
 from minitrain.zero import CheckpointError, latest_checkpoint
-from minitrain.zero.checkpoint import agree_on_errors, atomic_write
+from minitrain.zero.checkpoint import (
+    agree_on_errors,
+    agree_on_errors_or_clean,
+    atomic_write,
+    load_verified,
+    serialized,
+)
 
 __all__ = ["CheckpointError", "latest_checkpoint", "load_run", "save_run"]
 
@@ -56,17 +63,23 @@ def save_run(directory: str, step: int, state: dict, identity: dict) -> str:
     ident = [uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(ident, src=0)
     meta = {"id": ident[0], "step": step, "world_size": world, **identity}
+    digest = None
     try:
-        atomic_write(os.path.join(partial, f"rank_{rank:05d}.pt"),
-               lambda fh: torch.save({"meta": {**meta, "rank": rank}, "state": state}, fh))
+        data, digest = serialized({"meta": {**meta, "rank": rank}, "state": state})
+        atomic_write(os.path.join(partial, f"rank_{rank:05d}.pt"), lambda fh: fh.write(data))
     except Exception as exc:  # e.g. disk full: every rank must hear of it
         error = f"rank {rank} could not write its file in {partial}: {exc}"
-    agree_on_errors(error, what="saving a checkpoint")
+    agree_on_errors_or_clean(error, partial, rank, what="saving a checkpoint")
+    digests = [None] * world  # each file's SHA-256, checked on load (a flipped byte shows)
+    dist.all_gather_object(digests, digest)
     if rank == 0:
-        text = json.dumps(meta, indent=1)
-        atomic_write(os.path.join(partial, "meta.json"), lambda fh: fh.write(text.encode()))
-        os.replace(partial, final)  # the checkpoint appears whole, or not at all
-    dist.barrier()
+        try:
+            text = json.dumps({**meta, "sha256": digests}, indent=1)
+            atomic_write(os.path.join(partial, "meta.json"), lambda fh: fh.write(text.encode()))
+            os.replace(partial, final)  # the checkpoint appears whole, or not at all
+        except Exception as exc:
+            error = f"rank 0 could not complete checkpoint {final}: {exc}"
+    agree_on_errors_or_clean(error, partial, rank, what="saving a checkpoint")
     return final
 
 
@@ -92,20 +105,20 @@ def load_run(path: str, identity: dict) -> tuple[int, dict]:
             raise CheckpointError(f"checkpoint {path} has {meta.get('world_size')} ranks, "
                                   f"this run {world}")
         file = os.path.join(path, f"rank_{rank:05d}.pt")
-        try:
-            payload = torch.load(file, map_location="cpu", weights_only=True)
-        except FileNotFoundError:
-            raise CheckpointError(f"checkpoint file {file} is missing") from None
-        except Exception as exc:
-            raise CheckpointError(f"checkpoint file {file} cannot be read (truncated or "
-                                  f"corrupt?): {type(exc).__name__}: {str(exc)[:150]}") from None
-        mine = payload.get("meta", {})
-        if mine.get("id") != meta["id"] or mine.get("rank") != rank:
-            raise CheckpointError(f"checkpoint file {file} belongs to another checkpoint "
-                                  f"(id {mine.get('id')}, rank {mine.get('rank')})")
+        digests = meta.get("sha256")
+        payload = load_verified(file, digests[rank] if digests else None,
+                                check=lambda p: _check_file(file, p, meta["id"], rank))
     except CheckpointError as exc:
         error = f"rank {rank}: {exc}"
     except (OSError, ValueError, KeyError) as exc:
         error = f"rank {rank}: checkpoint metadata {meta_path} is missing or invalid: {exc}"
     agree_on_errors(error, what=f"cannot resume from {path}")
     return meta["step"], payload["state"]
+
+
+def _check_file(file: str, payload, ident: str, rank: int) -> None:
+    """A file of this checkpoint and this rank (checked before its checksum: says more)."""
+    mine = payload.get("meta", {}) if isinstance(payload, dict) else {}
+    if mine.get("id") != ident or mine.get("rank") != rank:
+        raise CheckpointError(f"checkpoint file {file} belongs to another checkpoint "
+                              f"(id {mine.get('id')}, rank {mine.get('rank')})")

@@ -6,6 +6,7 @@ Notebook 00 teaches it; every multi-process chapter uses it.
 - ``launch.py``: ``launch(fn, world_size, ...)`` from a notebook, a test or a script;
 - ``rank.py``: a rank's side (``init_from_env`` under torchrun, ``get_device``, the backend);
 - ``launch_errors.py``: waiting for ranks and naming the one that failed (``LaunchError``);
+- ``stopping.py``: stop signals end every rank (``Interrupted``), the forkserver's start and stop;
 - ``point_to_point.py``: send/recv helpers (chapter 0's exercises);
 - ``trace.py``: per-rank timelines of compute and communication;
 - ``communication_log.py``: the one log of what every technique sent (``COMMUNICATION_LOG``);
@@ -22,12 +23,14 @@ from minitrain.runtime.rank import (
     init_from_env,
     running_under_torchrun,
 )
+from minitrain.runtime.stopping import Interrupted
 from minitrain.runtime.timing import median_and_quartiles, summarize_step_times
 
 __all__ = [
     "COMMUNICATION_LOG",
     "CommunicationLog",
     "Message",
+    "Interrupted",
     "LaunchError",
     "RankResults",
     "add_rank_initializer",

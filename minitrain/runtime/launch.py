@@ -20,15 +20,25 @@ Why it is built this way (facts measured on a 2-core CPU machine, torch 2.13):
   inherits a notebook kernel's thread pools (which deadlocks children).
 * The rendezvous store lives in the parent on an OS-chosen free port, so launches
   can run side by side and never race for a fixed port.
+* The store listens on 127.0.0.1 only: ``TCPStore(HOST, 0)`` alone would listen on every
+  interface (an unauthenticated store), so the parent binds a loopback socket and hands it over.
 * Nothing hangs: a rank that raises, dies or is stuck past ``timeout`` becomes a
   ``LaunchError`` naming the rank (with its traceback, or the stack it is stuck
   in), and every other rank is killed.
+* Nothing is left behind: SIGINT, SIGTERM or SIGHUP to this process stop every rank before
+  ``Interrupted`` (a ``KeyboardInterrupt``) leaves ``launch``, and a rank whose launcher is gone
+  (even killed with SIGKILL) exits on its own (its "lifeline" pipe closed).
+
+Scripts that call ``launch`` need ``if __name__ == "__main__":`` around the call: the
+forkserver imports the script's main module in every worker, and an unguarded call there would
+launch again from each worker.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
 import tempfile
 import time
 
@@ -45,6 +55,15 @@ from minitrain.runtime.rank import (  # noqa: F401 — part of this module's API
     init_from_env,
     rank_main,
     running_under_torchrun,
+)
+
+# stop signals, and the forkserver started and stopped around them: stopping.py
+from minitrain.runtime.stopping import (  # noqa: F401 — Interrupted is part of the API
+    Interrupted,
+    signals_deferred,
+    signals_interrupt,
+    start_helpers,
+    stop_forkserver,
 )
 
 _PRELOAD = ["torch", "torch.distributed", "cloudpickle", "minitrain.runtime.launch", "minitrain.runtime.rank"]
@@ -91,6 +110,7 @@ def _forkserver():
     if _context is None:
         _context = mp.get_context("forkserver")
         _context.set_forkserver_preload(_PRELOAD)
+    start_helpers()
     return _context
 
 
@@ -109,7 +129,11 @@ def launch(
     NCCL when every rank has a GPU; ``MINITRAIN_BACKEND`` overrides). Whatever a rank
     prints is shown afterwards by the parent, prefixed ``[rank r]`` (``print_output``).
     Raises ``LaunchError`` naming the rank when a rank raises, dies or does not finish
-    within ``timeout`` seconds; the other ranks are then killed.
+    within ``timeout`` seconds; the other ranks are then killed. SIGINT, SIGTERM or SIGHUP
+    meanwhile stop every rank, then raise ``Interrupted`` (a ``KeyboardInterrupt``).
+
+    In a script, call it under ``if __name__ == "__main__":`` — each rank imports the script's
+    main module, and an unguarded call would run again there.
     """
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"launch: world_size must be a whole number ≥ 1, got {world_size!r}")
@@ -137,11 +161,47 @@ def launch(
     threads = max(1, (os.cpu_count() or 1) // world_size)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: no DNS, no real NIC
     ctx = _forkserver()
-    store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    with signals_interrupt():  # a signal now stops the ranks (the finally below), then raises
+        try:
+            return _run_ranks(ctx, fn, world_size, backend, payload, initializers, threads,
+                              timeout, print_output)
+        except KeyboardInterrupt:
+            with signals_deferred():
+                stop_forkserver()
+            raise
+
+
+def loopback_store() -> dist.TCPStore:
+    """A rendezvous TCPStore listening on 127.0.0.1 only.
+
+    ``TCPStore(HOST, 0, is_master=True)`` binds every interface whatever ``HOST`` says; a
+    socket bound to the loopback address and handed over (``master_listen_fd``) keeps it local.
+    The store owns the socket from then on (it closes it).
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((HOST, 0))
+        sock.listen(128)
+        store = dist.TCPStore(HOST, sock.getsockname()[1], is_master=True,
+                              wait_for_workers=False, use_libuv=True,
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store closes the descriptor, not this object
+    return store
+
+
+def _run_ranks(ctx, fn, world_size, backend, payload, initializers, threads, timeout,
+               print_output) -> RankResults:
+    store = loopback_store()
     stack_dir = tempfile.mkdtemp(prefix="minitrain-launch-")
-    procs, conns, finished = [], [], False
+    procs, conns, lifelines, finished = [], [], [], False
     try:
         for rank in range(world_size):
+            # the rank's end of a pipe nobody writes to: it reads EOF once this process is gone
+            rank_life, parent_life = ctx.Pipe(duplex=False)
+            lifelines.append(parent_life)
             parent_end, child_end = ctx.Pipe(duplex=True)
             stack_file = os.path.join(stack_dir, f"rank{rank}.stack")
             p = ctx.Process(
@@ -157,12 +217,14 @@ def launch(
                     initializers,
                     threads,
                     timeout,
+                    rank_life,
                 ),
                 name=f"minitrain-rank{rank}",
                 daemon=True,
             )
             p.start()
             child_end.close()
+            rank_life.close()
             procs.append(p)
             conns.append(parent_end)
         messages = wait_for_ranks(procs, conns, timeout, stack_dir)
@@ -170,13 +232,14 @@ def launch(
         for c in conns:
             c.send("exit")
     finally:
-        _stop_all(procs, grace=5.0 if finished else 0.0)
-        for c in conns:
-            c.close()
-        for name in os.listdir(stack_dir):
-            os.unlink(os.path.join(stack_dir, name))
-        os.rmdir(stack_dir)
-        del store
+        with signals_deferred():  # a second Ctrl-C must not cut the clean-up short
+            _stop_all(procs, grace=5.0 if finished else 0.0)
+            for c in conns + lifelines:
+                c.close()
+            for name in os.listdir(stack_dir):
+                os.unlink(os.path.join(stack_dir, name))
+            os.rmdir(stack_dir)
+            del store
 
     results = RankResults(cloudpickle.loads(messages[r][2]) for r in range(world_size))
     results.traces = [messages[r][3] for r in range(world_size)]

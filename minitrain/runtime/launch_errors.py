@@ -9,6 +9,7 @@ Why this way: a rank that raises sends its traceback text (and what it printed) 
 pipe (``minitrain.runtime.rank.rank_main``); one that dies sends nothing, so its process sentinel
 says so; one that is stuck past the timeout is asked for its Python stack (faulthandler
 on SIGUSR1, written to a file), so the error shows the collective or recv it waits in.
+Stop signals (SIGINT, SIGTERM) and the launcher's helpers: ``stopping.py``.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import time
 class LaunchError(RuntimeError):
     """A rank failed, died or got stuck. ``.ranks`` lists the ranks at fault."""
 
-    def __init__(self, message: str, ranks: list[int]):
+    def __init__(self, message: str, ranks: list[int], error_type: str = "", error_text: str = ""):
         super().__init__(message)
         self.ranks = ranks
+        # what the rank raised: its class (module.qualname) and str(), for one-line reports
+        self.error_type, self.error_text = error_type, error_text
 
 
 def wait_for_ranks(procs, conns, timeout, stack_dir):
@@ -85,10 +88,13 @@ def _raised(rank, msg, waiting, grace: float = 0.2) -> LaunchError:
     origin = min(failed.values(), key=lambda m: m[5])
     first = min(r for r, m in failed.items() if kind(m) == kind(origin) and m[5] - origin[5] < 0.05)
     text, printed = failed[first][2], failed[first][4]
+    kind_name, kind_text = failed[first][6] if len(failed[first]) > 6 else ("", "")
     return LaunchError(
         f"rank {first} raised an exception:\n{text}"
         + (f"\nIt printed:\n{printed}" if printed.strip() else ""),
         [first],
+        kind_name,
+        kind_text,
     )
 
 

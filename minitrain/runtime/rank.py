@@ -13,6 +13,7 @@ import io
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -75,10 +76,31 @@ def running_under_torchrun() -> bool:
 
 
 # --------------------------------------------------------------------------- the worker side
+def _leave_when_parent_goes(lifeline) -> None:
+    """A daemon thread: when the launcher's end of ``lifeline`` closes (it finished, or it was
+    killed, even by SIGKILL), this rank exits too. Ranks are children of the forkserver, not
+    of the launcher, so without this a killed launcher leaves them running (issue 30)."""
+
+    def watch():
+        try:
+            lifeline.recv()  # nothing is ever sent: returns (EOFError) when the parent's end closes
+        except (EOFError, OSError):
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="minitrain-lifeline", daemon=True).start()
+
+
 def rank_main(
-    rank, world_size, port, backend, payload, conn, stack_file, initializers, threads, timeout
+    rank, world_size, port, backend, payload, conn, stack_file, initializers, threads, timeout,
+    lifeline=None,
 ):
     """Entry point of one worker process (module level, so the forkserver can find it)."""
+    # Ctrl-C reaches the whole process group: the launcher decides and stops every rank, so a
+    # rank never dies of it halfway through a collective (its peers would wait for it).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if lifeline is not None:
+        _leave_when_parent_goes(lifeline)
     captured = io.StringIO()
     sys.stdout = sys.stderr = captured  # relayed to the parent, which prints "[rank r] ..."
     # On SIGUSR1 write the Python stack to a file: how the parent shows where a stuck rank waits.
@@ -111,10 +133,13 @@ def rank_main(
                 f"({type(result).__name__}) cannot be sent back to the parent: {exc}"
             ) from exc
         message = ("ok", rank, result_bytes, trace.events(), captured.getvalue())
-    except BaseException:
+    except BaseException as exc:
         # when it failed (CLOCK_MONOTONIC is shared by the processes of a machine): the
-        # parent tells the rank that failed first from peers that failed because of it
-        message = ("error", rank, traceback.format_exc(), [], captured.getvalue(), time.monotonic())
+        # parent tells the rank that failed first from peers that failed because of it; the
+        # class and text let a command report an expected error in one line
+        kind = (f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc))
+        message = ("error", rank, traceback.format_exc(), [], captured.getvalue(),
+                   time.monotonic(), kind)
     try:
         conn.send(message)
         if message[0] == "ok":
