@@ -24,7 +24,6 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from minitrain.runtime import get_device
-
 from minitrain.tensor_parallel.mappings import (
     copy_to_parallel_region,
     gather_from_parallel_region,

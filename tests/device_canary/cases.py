@@ -10,14 +10,12 @@ Run as a script, it prints the results of the cases named on the command line as
 
 from __future__ import annotations
 
-import copy
 import json
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from minitrain.model import GPT, GPTConfig, lm_loss
 from minitrain.runtime import get_device, launch
