@@ -41,8 +41,8 @@ def _env(canary: bool) -> dict:
     return env
 
 
-def _start_cases(canary: bool):
-    return subprocess.Popen([sys.executable, str(CANARY / "cases.py"), *CASES], env=_env(canary),
+def _start_cases(canary: bool, names):
+    return subprocess.Popen([sys.executable, str(CANARY / "cases.py"), *names], env=_env(canary),
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -53,9 +53,13 @@ def _finish(proc) -> dict:
 
 
 @pytest.fixture(scope="module")
-def results():
-    # both runs at once: each is two ranks (or one process), the machine has two cores
-    with_canary, without = _start_cases(True), _start_cases(False)
+def results(request):
+    # only the cases this session selected (a mutation names one), both runs at once: each
+    # is two ranks (or one process), the machine has two cores
+    mine = [item for item in request.session.items
+            if item.path == Path(__file__) and hasattr(item, "callspec")]
+    names = sorted({i.callspec.params["name"] for i in mine if "name" in i.callspec.params})
+    with_canary, without = _start_cases(True, names), _start_cases(False, names)
     return _finish(with_canary), _finish(without)
 
 
