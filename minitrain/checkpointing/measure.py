@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import statistics
-import time
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -35,6 +34,7 @@ from minitrain.checkpointing.function import checkpoint_sequential
 from minitrain.checkpointing.policies import set_checkpointing
 from minitrain.memory import LiveSavedBytes, saved_activation_bytes
 from minitrain.model import GPT, GPTConfig
+from minitrain.runtime import device_clock, get_device
 
 
 @contextlib.contextmanager
@@ -86,17 +86,19 @@ def step_flops(model, idx, targets) -> int:
     return counter.get_total_flops()
 
 
-def interleaved_seconds(fns, repeats: int, warmup: int = 2) -> list[float]:
-    """Median seconds of each fn, timing them in turns so a busy machine slows all alike."""
+def interleaved_seconds(fns, repeats: int, warmup: int = 2, device=None) -> list[float]:
+    """Median seconds of each fn, timing them in turns so a busy machine slows all alike
+    (on ``device``, default this rank's: a GPU's queued work is waited for)."""
+    device = device or get_device()
     for fn in fns:
         for _ in range(warmup):
             fn()
     times = [[] for _ in fns]
     for _ in range(repeats):
         for fn, ts in zip(fns, times):
-            t0 = time.perf_counter()
+            t0 = device_clock(device)
             fn()
-            ts.append(time.perf_counter() - t0)
+            ts.append(device_clock(device) - t0)
     return [statistics.median(ts) for ts in times]
 
 

@@ -28,7 +28,7 @@ from minitrain.memory import LiveSavedBytes, saved_activation_bytes
 from minitrain.pipeline.check import UNIT, chunk_costs, simulate
 from minitrain.pipeline.executor import PipelineStage
 from minitrain.pipeline.schedules import make_schedule
-from minitrain.runtime import launch, trace
+from minitrain.runtime import device_clock, launch, trace
 
 _overshoot = []
 
@@ -163,9 +163,9 @@ def _rank_runs(kind, cases, m, batch, unit, config, repeats):
             dist.barrier()
             trace.reset()
             with LiveSavedBytes(exclude=list(stage.parameters())) as live:
-                t = time.perf_counter()
+                t = device_clock(x.device)
                 loss = stage.train_step(x, y, schedule, m)
-                seconds = time.perf_counter() - t
+                seconds = device_clock(x.device) - t
             runs.append(dict(events=trace.events(), seconds=seconds, peak_bytes=live.peak))
         chunk_bytes = None
         if kind == "gpt":
