@@ -40,6 +40,28 @@ def _gpt(**kw):
         return GPT(GPTConfig(**{**CONFIG, **kw}))
 
 
+# where each case's state lives: tests/gpu/ checks it is all on the rank's GPU
+PLACES: dict[str, set[str]] = {}
+
+
+def _record(*objects):
+    """The devices of every parameter, gradient, buffer and optimizer state tensor of the
+    modules and optimizers given, under the calling case's name (for tests/gpu)."""
+    case = sys._getframe(1).f_code.co_name
+    found = PLACES.setdefault(case, set())
+    for obj in objects:
+        tensors = []
+        if isinstance(obj, torch.nn.Module):
+            tensors += [t for t in obj.parameters()] + [t for t in obj.buffers()]
+            tensors += [p.grad for p in obj.parameters() if p.grad is not None]
+        elif isinstance(obj, torch.optim.Optimizer):
+            tensors += [v for st in obj.state.values() for v in st.values() if torch.is_tensor(v)]
+        elif torch.is_tensor(obj):
+            tensors.append(obj)
+        # an optimizer's step count is a CPU scalar by torch's design (not capturable)
+        found.update(str(t.device) for t in tensors if t.dim() > 0 or t.device.type != "cpu")
+
+
 def _numbers(*values, params=()):
     out = [float(v.detach()) if torch.is_tensor(v) else float(v) for v in values]
     out += [float(p.detach().double().sum()) for p in params]
@@ -67,6 +89,7 @@ def ddp():
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    _record(model, opt)
     return _numbers(*losses, params=model.parameters())
 
 
@@ -86,6 +109,7 @@ def _zero(stage, compute_dtype=None, scaler=False):
         z.step()
         z.zero_grad()
         losses.append(loss.item())
+    _record(z.module, z.optimizer, *z.full_state_dict().values())
     return _numbers(*losses, params=z.full_state_dict().values())
 
 
@@ -119,6 +143,7 @@ def fsdp():
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    _record(f, opt)
     return _numbers(*losses, params=f.full_state_dict().values())
 
 
@@ -135,6 +160,7 @@ def tp_sp():
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    _record(model, opt)
     return _numbers(*losses, params=model.parameters())
 
 
@@ -149,6 +175,7 @@ def pipeline():
         losses.append(float(stage.train_step(x, y, "1f1b", 4)))
         opt.step()
         opt.zero_grad()
+    _record(stage.model, opt)
     return _numbers(*losses, params=stage.model.parameters())
 
 
@@ -163,6 +190,7 @@ def moe():
     x = torch.randn(12, 8, generator=g, device="cpu").to(get_device()).requires_grad_()
     out = ep(x)
     (out.square().sum() + ep.aux_loss).backward()
+    _record(ep, out)
     return _numbers(out.sum(), x.grad.sum(), params=[p.grad for p in ep.parameters()])
 
 
@@ -177,6 +205,7 @@ def ring():
     out = ring_attention(ql, kl, vl, causal=True, layout="zigzag")
     out.backward(shards[3])
     full = gather_sequence(out.detach(), layout="zigzag")
+    _record(out, full, ql.grad, kl.grad, vl.grad)
     return _numbers(full.sum(), ql.grad.sum(), kl.grad.sum(), vl.grad.sum())
 
 
@@ -188,6 +217,7 @@ def flash():
                .requires_grad_() for _ in range(3))
     out = flash_attention(q, k, v, causal=True)
     out.square().sum().backward()
+    _record(out, q.grad)
     return _numbers(out.sum(), q.grad.sum(), k.grad.sum(), v.grad.sum())
 
 
@@ -199,6 +229,7 @@ def flash_triton():
                .requires_grad_() for _ in range(3))
     out = FlashAttentionTritonFunction.apply(q, k, v, True)
     out.square().sum().backward()
+    _record(out, q.grad)
     return _numbers(out.sum(), q.grad.sum(), k.grad.sum(), v.grad.sum())
 
 
@@ -210,6 +241,7 @@ def checkpointing():
     torch.manual_seed(7)
     loss = model.loss(x, y)
     loss.backward()
+    _record(model, loss.reshape(1).expand(2))
     return _numbers(loss, params=[p.grad for p in model.parameters()])
 
 
@@ -228,6 +260,7 @@ def mixed_precision():
         scaler.update()
         opt.zero_grad()
         losses.append(loss.item())
+    _record(model, opt.optimizer if hasattr(opt, "optimizer") else model)
     return _numbers(*losses, scaler.get_scale(), params=model.parameters())
 
 
