@@ -42,3 +42,23 @@ def test_clock_waits_for_a_gpu_and_never_synchronises_the_cpu(monkeypatch):
     assert calls == [], "a CPU timing called torch.cuda.synchronize"
     before = device_clock(torch.device("cuda", 1))
     assert calls == [torch.device("cuda", 1)] and before <= device_clock("cpu")
+
+
+def test_peak_memory_reads_the_gpu_allocator_and_on_the_cpu_the_saved_bytes(monkeypatch):
+    from minitrain.memory import PeakMemory
+
+    # CPU: the course's accounting, one Linear's saved input (4 x 8 fp32 = 128 bytes)
+    layer = torch.nn.Linear(8, 8, device="cpu")
+    x = torch.randn(4, 8, device="cpu", requires_grad=True)
+    with PeakMemory("cpu", exclude=list(layer.parameters())) as m:
+        layer(x).sum()
+    assert m.peak == 4 * 8 * 4 and "LiveSavedBytes" in m.source
+    # GPU: the allocator's high-water mark above what was there on entry
+    allocated = iter([1000])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: next(allocated))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 5096)
+    with PeakMemory("cuda:0") as m:
+        pass
+    assert m.peak == 4096 and m.source == "torch.cuda.max_memory_allocated"
