@@ -62,3 +62,15 @@ def test_peak_memory_reads_the_gpu_allocator_and_on_the_cpu_the_saved_bytes(monk
     with PeakMemory("cuda:0") as m:
         pass
     assert m.peak == 4096 and m.source == "torch.cuda.max_memory_allocated"
+
+
+def test_triton_flash_attention_names_a_tensor_on_the_wrong_kind_of_device(monkeypatch):
+    from minitrain.flash_attention import FlashAttentionTritonFunction
+
+    q = torch.randn(1, 1, 16, 16, device="cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a GPU machine: compiled kernels
+    with pytest.raises(ValueError, match=r"\['cpu'\].*compiled kernels.*cuda"):
+        FlashAttentionTritonFunction.apply(q, q, q, True)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ValueError, match="interpreter.*cpu"):
+        FlashAttentionTritonFunction.apply(q, q.to("meta"), q, True)
