@@ -89,7 +89,12 @@ def test_the_canary_catches_a_tensor_without_a_device(tmp_path):
     assert "caught: torch.ones(...) without device=" in out and "leak.py:10" in out, out
 
 
-@pytest.mark.parametrize("name", list(CASES))
+def slug(name: str) -> str:
+    """A test id without spaces (tests/mutations.py reads node ids from pytest's output)."""
+    return "-".join(word for word in name.split() if word != "+")
+
+
+@pytest.mark.parametrize("name", list(CASES), ids=slug)
 def test_step_gives_the_same_numbers_under_the_canary(results, name, request):
     if name in PENDING:
         request.applymarker(pytest.mark.xfail(strict=False, reason=PENDING[name]))

@@ -53,9 +53,11 @@ def tiny_setup(n_layer=4, batch=16, dropout=0.1, seed=0, **config):
     """A GPT, a batch of token ids and targets, all from ``seed``."""
     torch.manual_seed(seed)
     cfg = GPTConfig(n_layer=n_layer, dropout=dropout, **config)
-    model = GPT(cfg).train()
-    idx = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
-    targets = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
+    device = get_device()
+    with torch.device(device):  # built where it computes; the data drawn on the CPU, moved
+        model = GPT(cfg).train()
+    idx = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), device="cpu").to(device)
+    targets = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), device="cpu").to(device)
     return model, idx, targets
 
 
@@ -160,8 +162,9 @@ def chain_sweep(num_layers=64, width=64, batch=16, seed=0) -> list[dict]:
     (a sum) saves nothing, so the formula is sequential_peak_bytes(L, k, c, c).
     """
     torch.manual_seed(seed)
-    layers = torch.nn.Sequential(*(TanhLinear(width) for _ in range(num_layers)))
-    x = torch.randn(batch, width, requires_grad=True)
+    with torch.device(get_device()):
+        layers = torch.nn.Sequential(*(TanhLinear(width) for _ in range(num_layers)))
+    x = torch.randn(batch, width, device="cpu").to(get_device()).requires_grad_()
     c = x.nbytes
     rows = []
     for k in range(1, num_layers + 1):

@@ -89,7 +89,8 @@ def _build(name, kwargs, config, bucket_mb):
     from minitrain.model import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**config))
+    with torch.device(get_device()):  # built where this rank computes
+        model = GPT(GPTConfig(**config))
     if name == TORCH_DDP:
         return DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
     return DataParallel(model, **{"bucket_cap_mb": bucket_mb, **kwargs})
