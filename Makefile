@@ -31,13 +31,17 @@ lab: $(READY)
 test: lint unit grade-verify nbval browser
 	@echo "make test: every check passed"
 
-# the same checks on a multi-GPU machine (.github/workflows/gpu.yml runs it): launches with a
-# GPU per rank use NCCL for CUDA tensors (minitrain.runtime.rank.default_backend) and nbval compares the
-# same committed outputs. Without a GPU it refuses, unless GPU_BACKEND forces a backend:
-# `make test-gpu GPU_BACKEND=cpu:gloo` runs these very commands on a CPU machine.
+# the same checks on a multi-GPU machine (.github/workflows/gpu.yml runs it), after tests/gpu/:
+# every technique's parameters, gradients, optimizer state and buffers on cuda:rank, NCCL
+# kernels in the profiler, bf16 Triton FlashAttention against SDPA, each notebook under nbval
+# with a GPU per rank (tests/gpu is collected and skipped, with the reason, in `make test`).
+# Launches with a GPU per rank use NCCL for CUDA tensors (minitrain.runtime.rank.default_backend).
+# Without 2 GPUs it refuses, unless GPU_BACKEND forces a backend:
+# `make test-gpu GPU_BACKEND=cpu:gloo` runs `make test` (not tests/gpu) on a CPU machine.
 GPU_BACKEND ?=
 test-gpu: $(READY)
-	@$(BIN)/python -c "import sys, torch; n = torch.cuda.device_count(); print('GPUs:', n, '| MINITRAIN_BACKEND:', '$(GPU_BACKEND)' or 'default (NCCL for CUDA tensors)'); sys.exit(0 if n >= 2 or '$(GPU_BACKEND)' else 'make test-gpu: needs 2 or more GPUs (GPU_BACKEND=cpu:gloo runs it on a CPU)')"
+	@$(BIN)/python -c "import sys, torch; n = torch.cuda.device_count(); print('GPUs:', n, '| MINITRAIN_BACKEND:', '$(GPU_BACKEND)' or 'default (NCCL for CUDA tensors)'); sys.exit(0 if n >= 2 or '$(GPU_BACKEND)' else 'make test-gpu: needs 2 or more GPUs, this machine has ' + str(n) + ' (GPU_BACKEND=cpu:gloo runs make test on a CPU)')"
+	$(if $(GPU_BACKEND),,$(PYTEST) tests/gpu -q -rs)
 	$(if $(GPU_BACKEND),MINITRAIN_BACKEND=$(GPU_BACKEND)) $(MAKE) test
 
 lint: $(READY)
@@ -45,7 +49,7 @@ lint: $(READY)
 	$(BIN)/python -m minitrain.exercises check
 
 unit: $(READY)
-	$(PYTEST) tests --ignore=tests/grading --ignore=tests/browser -q
+	$(PYTEST) tests --ignore=tests/grading --ignore=tests/browser -q -rs
 
 grade-verify: $(READY)
 	$(BIN)/python -m minitrain.grade --verify

@@ -19,7 +19,7 @@ from minitrain.runtime import trace
 from minitrain.zero.accounting import count_sent, optimizer_state_tensors, storage_bytes
 from minitrain.zero.buffers import FlatUnit, all_gather_tensor, reduce_scatter_tensor, timed
 from minitrain.zero.gather_order import OrderedGathers
-from minitrain.zero.mixed_precision import attach_master, cast_inputs, cast_rest
+from minitrain.zero.mixed_precision import attach_master, cast_inputs, cast_rest, host_buffer, wait_for_host_copies
 from minitrain.zero.sharded_units import ShardedUnits, split_into_units, tensors_requiring_grad
 
 
@@ -163,4 +163,4 @@ class FullyShardedDataParallel:
         # HINT: dist.all_reduce(tensor, group=..., async_op=True) returns a work handle too
         raise NotImplementedError("exercise: write FullyShardedDataParallel._launch_reduce_scatter (see its docstring)")
 
-# minitrain-exercises-hash: 04729467adbadc21
+# minitrain-exercises-hash: 519d8e799c4a8b15

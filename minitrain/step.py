@@ -14,12 +14,12 @@ Used by notebooks/01_single_device_training.ipynb and the chapters that train af
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from minitrain.model import GPTConfig, lm_loss
+from minitrain.runtime import device_clock
 
 
 def gradient_accumulation_steps(global_batch: int, micro_batch: int, dp: int = 1) -> int:
@@ -83,12 +83,12 @@ def train_step(
     model, optimizer, x, y, micro_batch_size: int | None = None, loss_fn=None
 ) -> StepStats:
     """One optimizer step on this rank's batch (x, y), in micro-batches of micro_batch_size."""
-    start = time.perf_counter()
+    start = device_clock(x.device)  # on a GPU: once the queued work is done
     optimizer.zero_grad(set_to_none=True)
     micro = split_micro_batches(x, y, micro_batch_size or x.shape[0])
     loss = accumulate_gradients(model, micro, loss_fn)
     optimizer.step()
-    return StepStats(loss, x.numel(), time.perf_counter() - start)
+    return StepStats(loss, x.numel(), device_clock(x.device) - start)
 
 
 def train(
@@ -136,3 +136,41 @@ def mfu(tokens_per_second: float, flops_per_token: float, peak_flops: float) -> 
     if peak_flops <= 0:
         raise ValueError(f"peak_flops must be positive, got {peak_flops}")
     return tokens_per_second * flops_per_token / peak_flops
+
+
+# ------------------------------------------------------------------ the peak it is measured against
+CPU_PEAK_FLOPS = 118.4e9  # one core of this course's machine (AMD EPYC Zen 4): 2 FMA pipes x
+# 8 fp32 lanes x 2 FLOPs x 3.7 GHz; ``python -m minitrain.bench mfu`` measures what a matmul reaches
+
+# Dense peaks (no 2:4 sparsity), FLOP/s, from NVIDIA's data sheets. "fp32" is the CUDA cores'
+# (TF32 tensor cores are faster, but only if torch is allowed to use them); fp16 = bf16.
+# Matched against torch.cuda.get_device_name in order: the specific variants first.
+GPU_PEAK_FLOPS = {
+    "H200": {"bf16": 989e12, "fp32": 67e12},
+    "H100 PCIe": {"bf16": 756e12, "fp32": 51e12},
+    "H100 NVL": {"bf16": 835e12, "fp32": 60e12},
+    "H100": {"bf16": 989e12, "fp32": 67e12},  # SXM5
+    "A100": {"bf16": 312e12, "fp32": 19.5e12},  # SXM4 and PCIe alike
+}
+_KIND = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "bf16"}
+
+
+def peak_flops(device, dtype: torch.dtype = torch.float32) -> float:
+    """The peak FLOP/s of one ``device`` computing in ``dtype``: what MFU divides by.
+
+    A GPU's is its data sheet's dense peak (A100, H100, H200; ``GPU_PEAK_FLOPS``); the CPU's
+    is one core of the course machine (``CPU_PEAK_FLOPS``), whatever the dtype. Another GPU
+    raises, naming it: pass the peak yourself (``--peak-flops``)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return CPU_PEAK_FLOPS
+    if dtype not in _KIND:
+        raise ValueError(f"peak_flops: no peak for dtype {dtype} (fp32, bf16, fp16)")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    for fragment, peaks in GPU_PEAK_FLOPS.items():
+        if fragment in name:
+            return peaks[_KIND[dtype]]
+    raise ValueError(
+        f"peak_flops: no known peak for {name!r} ({device}); known: {', '.join(GPU_PEAK_FLOPS)}"
+        " — pass the device's peak FLOP/s (--peak-flops)"
+    )

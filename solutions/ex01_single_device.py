@@ -6,7 +6,6 @@ The worked answers. Look one up when you are stuck; the library has them too.
 from __future__ import annotations
 
 import math
-import time
 import torch
 import torch.nn.functional as F
 from contextlib import nullcontext
@@ -14,6 +13,7 @@ from dataclasses import dataclass
 from torch import nn
 from minitrain.memory.formulas import BYTES_PER_PARAMETER
 from minitrain.model import GPTConfig, lm_loss
+from minitrain.runtime import device_clock
 
 
 def gpt_num_params(config: GPTConfig) -> int:
@@ -137,4 +137,4 @@ def accumulate_gradients(model, micro_batches, loss_fn=None) -> float:
     return mean_loss
     ### END SOLUTION
 
-# minitrain-exercises-hash: fc600c13432a83ec
+# minitrain-exercises-hash: c23759ef043a8b8c

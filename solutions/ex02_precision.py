@@ -11,6 +11,7 @@ import torch.distributed as dist
 from dataclasses import dataclass
 from torch import nn
 from torch.distributed import ProcessGroup
+from minitrain.runtime import get_device
 
 
 def round_significand(sig: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -97,6 +98,7 @@ class DynamicLossScaler:
         ### END SOLUTION
         self._found_inf.clear()
         self._stepped.clear()
+        self._grad_device.clear()
 
 
 class MasterWeightOptimizer:
@@ -117,4 +119,4 @@ class MasterWeightOptimizer:
                 p.copy_(m)
         ### END SOLUTION
 
-# minitrain-exercises-hash: a0cac68689abde2b
+# minitrain-exercises-hash: 4e5f6ad0413f0646

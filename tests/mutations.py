@@ -1238,6 +1238,36 @@ MUTATIONS = [
         "",
         ["tests/test_faults.py::test_grading_the_untouched_broadcast_stub_says_not_written_yet"],
     ),
+    Mutation(
+        "ZeRO flat buffer without device",
+        "minitrain/zero/buffers.py",
+        "self.full = torch.zeros(self.padded, dtype=ref.dtype, device=ref.device)",
+        "self.full = torch.zeros(self.padded, dtype=ref.dtype)",
+        ["tests/test_device_canary.py::test_step_gives_the_same_numbers_under_the_canary[ZeRO-3]"],
+    ),
+    Mutation(
+        "loss scaler found-inf flag on the CPU",
+        "minitrain/precision/loss_scaling.py",
+        "flag = torch.tensor([float(self._found_inf[key])], device=device)",
+        "flag = torch.tensor([float(self._found_inf[key])])",
+        ["tests/test_device_canary.py::test_step_gives_the_same_numbers_under_the_canary"
+         "[ZeRO-3-bf16-loss-scaler]"],
+    ),
+    Mutation(
+        "pipeline shape header without device",
+        "minitrain/pipeline/executor.py",
+        "header = torch.zeros(HEADER, dtype=torch.int64, device=device)",
+        "header = torch.zeros(HEADER, dtype=torch.int64)",
+        ["tests/test_device_canary.py::test_step_gives_the_same_numbers_under_the_canary"
+         "[PipelineStage-1F1B]"],
+    ),
+    Mutation(
+        "tensor-parallel layer built on the default device",
+        "minitrain/tensor_parallel/layers.py",
+        "    return {\"device\": torch.device(device) if device is not None else get_device(),\n",
+        "    return {\"device\": device,\n",
+        ["tests/test_device_canary.py::test_step_gives_the_same_numbers_under_the_canary[TP-SP]"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

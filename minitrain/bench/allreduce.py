@@ -18,14 +18,13 @@ Used by notebooks/04_collectives_and_data_parallel.ipynb and docs/ch04_collectiv
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from minitrain.bench import bench_parser
-from minitrain.runtime import launch
+from minitrain.runtime import device_clock, get_device, launch
 
 KB, MB = 1024, 1024 * 1024
 SIZES = [KB * 4**i for i in range(9)]  # 1 KB, 4 KB, ..., 64 MB
@@ -37,9 +36,9 @@ def _time_once(fn, x: torch.Tensor, group: ProcessGroup | None = None) -> float:
     last rank does)."""
     y = x.clone()
     dist.barrier(group)
-    start = time.perf_counter()
+    start = device_clock(y.device)
     fn(y, group)
-    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+    elapsed = torch.tensor(device_clock(y.device) - start, dtype=torch.float64, device=y.device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
     return elapsed.item()
 
@@ -128,7 +127,7 @@ def _rank_bench(sizes, reps_small, reps_large):
     rows = []
     for nbytes in sizes:
         reps = reps_small if nbytes < MB else max(5, reps_large * 4 * MB // max(nbytes, 4 * MB))
-        x = torch.ones(nbytes // 4)
+        x = torch.ones(nbytes // 4, device=get_device())  # NCCL's all-reduce on a GPU
         _time_once(_torch_all_reduce, x), _time_once(_ring, x)  # warm-up: connections, buffers
         t_torch, t_ring = [], []
         for _ in range(reps):

@@ -24,6 +24,7 @@ from minitrain.flash_attention import flash_attention
 from minitrain.flash_attention.measure import forward_backward_seconds, saved_bytes
 from minitrain.memory import saved_activation_bytes
 from minitrain.model import naive_attention
+from minitrain.runtime import get_device
 
 
 def sdpa(q, k, v, causal):
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
     rows = []
     for n in [] if args.side_by_side_only else args.sizes:
         b = saved_bytes(n, d=64, heads=4, batch=1)
-        qkv = [torch.randn(1, 4, n, 64, requires_grad=True) for _ in range(3)]
+        qkv = [torch.randn(1, 4, n, 64, device=get_device(), requires_grad=True) for _ in range(3)]
         sdpa_bytes = saved_activation_bytes(sdpa, *qkv, True)
         fns = {"flash": flash_attention, "sdpa": sdpa}
         if n <= args.naive_up_to:

@@ -19,11 +19,11 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 from minitrain.bench import bench_parser
-from minitrain.runtime import launch
+from minitrain.runtime import get_device, launch
 
 
 def _work():
-    t = torch.ones(1)
+    t = torch.ones(1, device=get_device())
     dist.all_reduce(t)
     return t.item()
 

@@ -22,13 +22,12 @@ path; on GPUs, EP is how a model with more experts than fit on one device is tra
 from __future__ import annotations
 
 import copy
-import time
 
 import torch
 import torch.distributed as dist
 
 from minitrain.bench import bench_parser, step_time_header, step_time_row
-from minitrain.runtime import launch, summarize_step_times
+from minitrain.runtime import device_clock, get_device, launch, summarize_step_times
 
 LOCAL, EP = "local, 1 process", "EP-2 (ExpertParallelMoE)"
 SIZE = dict(tokens=2048, d_model=256, d_ff=1024, num_experts=8, top_k=2)
@@ -45,11 +44,13 @@ def _rank_measure(size, steps):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    local = MoELayer(size["d_model"], size["d_ff"], size["num_experts"], size["top_k"])
+    device = get_device()
+    with torch.device(device):  # the layer where this rank computes
+        local = MoELayer(size["d_model"], size["d_ff"], size["num_experts"], size["top_k"])
     layers = {LOCAL: copy.deepcopy(local), EP: ExpertParallelMoE.from_local(local)}
     opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-3) for n, m in layers.items()}
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(size["tokens"], size["d_model"], generator=g)
+    g = torch.Generator(device="cpu").manual_seed(1)  # data from the CPU generator, moved
+    x = torch.randn(size["tokens"], size["d_model"], generator=g, device="cpu").to(device)
     per = x.shape[0] // world
     # inputs that need a gradient, as inside a network: all four all-to-alls run
     inputs = {LOCAL: x.clone().requires_grad_(),
@@ -61,14 +62,14 @@ def _rank_measure(size, steps):
             if name == LOCAL and rank != 0:
                 continue
             reset_communication_log()
-            start = time.perf_counter()
+            start = device_clock(device)
             opts[name].zero_grad()
             (layer(inputs[name]).square().mean() + layer.aux_loss).backward()
             if name == EP:
                 layer.finish_gradient_synchronization()
             opts[name].step()
             if step >= 2:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(device_clock(device) - start)
             if name == EP:
                 sent = {}
                 for what, nbytes in communication_log():

@@ -22,13 +22,12 @@ matmuls are too small to gain from halving, so TP is the slowest here; on GPUs w
 from __future__ import annotations
 
 import copy
-import time
 
 import torch
 import torch.distributed as dist
 
 from minitrain.bench import bench_parser, step_time_header, step_time_row
-from minitrain.runtime import launch, summarize_step_times
+from minitrain.runtime import device_clock, get_device, launch, summarize_step_times
 
 DENSE, TP, DP = "dense, 1 process", "TP-2 (tensor_parallel)", "DP-2 (minitrain.ddp)"
 MODEL = dict(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=256)  # 3.3 M parameters
@@ -42,13 +41,17 @@ def _rank_measure(config, steps, batch):
 
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    dense = GPT(GPTConfig(**config))
+    device = get_device()
+    with torch.device(device):  # the model where this rank computes
+        dense = GPT(GPTConfig(**config))
     models = {DENSE: copy.deepcopy(dense), TP: apply_tensor_parallel(copy.deepcopy(dense)),
               DP: DataParallel(copy.deepcopy(dense))}
     opts = {name: torch.optim.AdamW(m.parameters(), lr=1e-3) for name, m in models.items()}
-    g = torch.Generator().manual_seed(1)
-    x = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]), generator=g)
-    y = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]), generator=g)
+    g = torch.Generator(device="cpu").manual_seed(1)  # data from the CPU generator, moved
+    x = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]), generator=g,
+                      device="cpu").to(device)
+    y = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]), generator=g,
+                      device="cpu").to(device)
     half = slice(rank * batch // world, (rank + 1) * batch // world)
     inputs = {DENSE: (x, y), TP: (x, y), DP: (x[half], y[half])}
     times, sent = {name: [] for name in models}, 0
@@ -58,7 +61,7 @@ def _rank_measure(config, steps, batch):
             if name == DENSE and rank != 0:
                 continue  # one process: the others wait at the next barrier
             mappings.reset_communication_log()
-            start = time.perf_counter()
+            start = device_clock(device)
             opts[name].zero_grad()
             xs, ys = inputs[name]
             # DataParallel wraps forward (its all-reduces start from hooks in backward)
@@ -66,7 +69,7 @@ def _rank_measure(config, steps, batch):
             loss.backward()
             opts[name].step()
             if step >= 2:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(device_clock(device) - start)
             if name == TP:
                 sent = sum(r for _, _, r in mappings.communication_log())
     return {"times": times, "sent": sent}

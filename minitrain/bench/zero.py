@@ -18,13 +18,11 @@ of PCIe transfers). ``measure`` is also what notebook 05 calls.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.distributed as dist
 
 from minitrain.bench import bench_parser, step_time_header, step_time_row
-from minitrain.runtime import launch, summarize_step_times
+from minitrain.runtime import device_clock, get_device, launch, summarize_step_times
 
 DP = "DP (minitrain.ddp)"
 VARIANTS = {
@@ -47,10 +45,11 @@ def _rank_measure(variants, config, steps, batch, bucket_mb):
     from minitrain.fsdp import FullyShardedDataParallel
     from minitrain.model import GPT, GPTConfig, lm_loss
 
-    runners = {}
+    runners, device = {}, get_device()
     for name, kw in variants.items():
         torch.manual_seed(0)
-        model = GPT(GPTConfig(**config))
+        with torch.device(device):  # the model where this rank computes
+            model = GPT(GPTConfig(**config))
         if kw is None or kw.get("fsdp"):
             if kw is None:
                 dp = DataParallel(model, bucket_cap_mb=bucket_mb)
@@ -64,19 +63,20 @@ def _rank_measure(variants, config, steps, batch, bucket_mb):
             )
             runners[name] = (z, z.step, z.zero_grad)
     torch.manual_seed(1 + dist.get_rank())
-    x = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]))
-    y = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]))
+    # data from the CPU generator (the same numbers on every device), moved explicitly
+    x = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]), device="cpu").to(device)
+    y = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]), device="cpu").to(device)
     times, sent = {name: [] for name in runners}, {}
     for step in range(steps + 2):  # two warm-up steps
         for name, (model, opt_step, zero_grad) in runners.items():
             dist.barrier()
             zero.reset_bytes_sent()
-            start = time.perf_counter()
+            start = device_clock(device)
             zero_grad()
             lm_loss(model(x), y).backward()
             opt_step()
             if step >= 2:
-                times[name].append(time.perf_counter() - start)
+                times[name].append(device_clock(device) - start)
             sent[name] = zero.bytes_sent()["total"]
     padded = {
         name: m.padded_numel() for name, (m, _, _) in runners.items() if hasattr(m, "padded_numel")

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import statistics
-import time
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -35,6 +34,7 @@ from minitrain.checkpointing.function import checkpoint_sequential
 from minitrain.checkpointing.policies import set_checkpointing
 from minitrain.memory import LiveSavedBytes, saved_activation_bytes
 from minitrain.model import GPT, GPTConfig
+from minitrain.runtime import device_clock, get_device
 
 
 @contextlib.contextmanager
@@ -53,9 +53,11 @@ def tiny_setup(n_layer=4, batch=16, dropout=0.1, seed=0, **config):
     """A GPT, a batch of token ids and targets, all from ``seed``."""
     torch.manual_seed(seed)
     cfg = GPTConfig(n_layer=n_layer, dropout=dropout, **config)
-    model = GPT(cfg).train()
-    idx = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
-    targets = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len))
+    device = get_device()
+    with torch.device(device):  # built where it computes; the data drawn on the CPU, moved
+        model = GPT(cfg).train()
+    idx = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), device="cpu").to(device)
+    targets = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), device="cpu").to(device)
     return model, idx, targets
 
 
@@ -86,17 +88,19 @@ def step_flops(model, idx, targets) -> int:
     return counter.get_total_flops()
 
 
-def interleaved_seconds(fns, repeats: int, warmup: int = 2) -> list[float]:
-    """Median seconds of each fn, timing them in turns so a busy machine slows all alike."""
+def interleaved_seconds(fns, repeats: int, warmup: int = 2, device=None) -> list[float]:
+    """Median seconds of each fn, timing them in turns so a busy machine slows all alike
+    (on ``device``, default this rank's: a GPU's queued work is waited for)."""
+    device = device or get_device()
     for fn in fns:
         for _ in range(warmup):
             fn()
     times = [[] for _ in fns]
     for _ in range(repeats):
         for fn, ts in zip(fns, times):
-            t0 = time.perf_counter()
+            t0 = device_clock(device)
             fn()
-            ts.append(time.perf_counter() - t0)
+            ts.append(device_clock(device) - t0)
     return [statistics.median(ts) for ts in times]
 
 
@@ -158,8 +162,9 @@ def chain_sweep(num_layers=64, width=64, batch=16, seed=0) -> list[dict]:
     (a sum) saves nothing, so the formula is sequential_peak_bytes(L, k, c, c).
     """
     torch.manual_seed(seed)
-    layers = torch.nn.Sequential(*(TanhLinear(width) for _ in range(num_layers)))
-    x = torch.randn(batch, width, requires_grad=True)
+    with torch.device(get_device()):
+        layers = torch.nn.Sequential(*(TanhLinear(width) for _ in range(num_layers)))
+    x = torch.randn(batch, width, device="cpu").to(get_device()).requires_grad_()
     c = x.nbytes
     rows = []
     for k in range(1, num_layers + 1):

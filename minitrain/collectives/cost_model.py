@@ -23,10 +23,11 @@ the contention of N processes on few cores is part of the fit.
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 import torch.distributed as dist
+
+from minitrain.runtime import device_clock, get_device
 
 
 def fit_alpha_beta(nbytes: list[int], seconds: list[float]) -> tuple[float, float]:
@@ -72,18 +73,19 @@ def predict_all_reduce(
     raise ValueError(f"predict_all_reduce: unknown algorithm {algorithm!r}")
 
 
-def _best_time(fn, reps: int) -> float:
+def _best_time(fn, reps: int, device) -> float:
     """Best of ``reps`` runs of the slowest rank's time for ``fn()``, after one warm-up.
 
     The best, not the median: the model describes the link, and on a machine shared with
-    other programs a message sometimes waits milliseconds for its thread to be scheduled."""
+    other programs a message sometimes waits milliseconds for its thread to be scheduled.
+    On a GPU the clock is read once ``device``'s queued work is done."""
     fn()
     times = []
     for _ in range(reps):
         dist.barrier()
-        start = time.perf_counter()
+        start = device_clock(device)
         fn()
-        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+        elapsed = torch.tensor(device_clock(device) - start, dtype=torch.float64, device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         times.append(elapsed.item())
     return min(times)
@@ -97,8 +99,10 @@ def measure_ring_step(sizes: list[int], reps: int = 10) -> list[float]:
     prev_rank, next_rank = ring_neighbours()
     out = []
     for m in sizes:
-        send, recv = torch.ones(m // 4), torch.empty(m // 4)
-        out.append(_best_time(lambda s=send, r=recv: exchange(s, next_rank, r, prev_rank), reps))
+        device = get_device()
+        send, recv = torch.ones(m // 4, device=device), torch.empty(m // 4, device=device)
+        out.append(_best_time(lambda s=send, r=recv: exchange(s, next_rank, r, prev_rank), reps,
+                              device))
     return out
 
 
@@ -110,6 +114,7 @@ def measure_all_reduce(algorithms: list[str], sizes: list[int], reps: int = 5) -
     for algo in algorithms:
         out[algo] = []
         for n in sizes:
-            x = torch.ones(n // 4)
-            out[algo].append(_best_time(lambda x=x, a=algo: collectives.all_reduce(x, a), reps))
+            x = torch.ones(n // 4, device=get_device())
+            out[algo].append(_best_time(lambda x=x, a=algo: collectives.all_reduce(x, a), reps,
+                                        x.device))
     return out

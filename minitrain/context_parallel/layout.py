@@ -58,10 +58,13 @@ def check_divisible(seq_len: int, world_size: int, layout: str) -> int:
     return seq_len // chunks
 
 
-def shard_positions(seq_len: int, rank: int, world_size: int, layout: str = "contiguous"):
-    """The token positions (a LongTensor) rank ``rank`` holds, in its shard's order."""
+def shard_positions(seq_len: int, rank: int, world_size: int, layout: str = "contiguous",
+                    device="cpu"):
+    """The token positions (a LongTensor on ``device``) rank ``rank`` holds, in its shard's
+    order."""
     c = check_divisible(seq_len, world_size, layout)
-    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in rank_chunks(rank, world_size, layout)])
+    chunks = rank_chunks(rank, world_size, layout)
+    return torch.cat([torch.arange(i * c, (i + 1) * c, device=device) for i in chunks])
 
 
 def shard_sequence(x: torch.Tensor, group: ProcessGroup | None = None,

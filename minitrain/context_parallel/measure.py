@@ -35,7 +35,7 @@ from minitrain.context_parallel.ring import (
     ring_attention,
 )
 from minitrain.flash_attention.tiles import BLOCK_K, BLOCK_Q, blocks
-from minitrain.runtime import launch, trace
+from minitrain.runtime import device_clock, get_device, launch, trace
 
 
 def ring_bytes(batch_heads, seq_len, head_dim, world_size, bytes_per_element=4) -> dict:
@@ -90,8 +90,9 @@ def _rank_measure(batch, heads, seq_len, head_dim, layout, causal, repeats):
     from minitrain.context_parallel.layout import shard_sequence
     from minitrain.memory import saved_activation_bytes
 
-    g = torch.Generator().manual_seed(0)
-    q, k, v, grad = (torch.randn(batch, heads, seq_len, head_dim, generator=g) for _ in range(4))
+    g = torch.Generator(device="cpu").manual_seed(0)  # CPU numbers, moved to the rank's device
+    q, k, v, grad = (torch.randn(batch, heads, seq_len, head_dim, generator=g, device="cpu")
+                     .to(get_device()) for _ in range(4))
     shards = [shard_sequence(t, layout=layout) for t in (q, k, v, grad)]
     q, k, v = (t.requires_grad_() for t in shards[:3])
     counter = FlopCounterMode(display=False)
@@ -109,10 +110,10 @@ def _rank_measure(batch, heads, seq_len, head_dim, layout, causal, repeats):
     for _ in range(repeats):  # CPU seconds: robust to other processes sharing the cores
         dist.barrier()
         trace.reset()
-        c0, w0 = time.process_time(), time.perf_counter()
+        c0, w0 = time.process_time(), device_clock(q.device)
         ring_attention(q, k, v, causal=causal, layout=layout).backward(shards[3])
+        wall.append(device_clock(q.device) - w0)
         cpu.append(time.process_time() - c0)
-        wall.append(time.perf_counter() - w0)
     return {"flops_forward": flops_forward, "sent_forward": sent_forward,
             "sent_backward": sent_backward, "saved_bytes": saved,
             "cpu_seconds": statistics.median(cpu), "wall_seconds": statistics.median(wall)}
@@ -152,8 +153,9 @@ def work_per_step(seq_len, world_size, layout="contiguous", causal=True, batch_h
     from minitrain.context_parallel.ring import ring_step
 
     check_divisible(seq_len, world_size, layout)
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(batch_heads, seq_len, head_dim, generator=g) for _ in range(3))
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(batch_heads, seq_len, head_dim, generator=g, device="cpu")
+               .to(get_device()) for _ in range(3))
     chunks = [t.chunk(num_chunks(world_size, layout), dim=-2) for t in (q, k, v)]
 
     def shard(t, rank):

@@ -68,7 +68,7 @@ class ContextParallelGPT(nn.Module):
         if seq_len > self.module.config.seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds "
                              f"config.seq_len={self.module.config.seq_len}")
-        pos = shard_positions(seq_len, self.rank, self.world_size, self.layout).to(idx.device)
+        pos = shard_positions(seq_len, self.rank, self.world_size, self.layout, device=idx.device)
         return pos
 
     def embed(self, idx: torch.Tensor) -> torch.Tensor:

@@ -9,12 +9,18 @@ torch's ``DistributedDataParallel`` runs beside them as the reference, never ins
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
-from minitrain.runtime import launch, median_and_quartiles, summarize_step_times, trace
+from minitrain.runtime import (
+    device_clock,
+    get_device,
+    launch,
+    median_and_quartiles,
+    summarize_step_times,
+    trace,
+)
 
 
 def hidden_communication_share(events: list[trace.Event]) -> float:
@@ -83,7 +89,8 @@ def _build(name, kwargs, config, bucket_mb):
     from minitrain.model import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**config))
+    with torch.device(get_device()):  # built where this rank computes
+        model = GPT(GPTConfig(**config))
     if name == TORCH_DDP:
         return DistributedDataParallel(model, bucket_cap_mb=bucket_mb)
     return DataParallel(model, **{"bucket_cap_mb": bucket_mb, **kwargs})
@@ -96,15 +103,17 @@ def _rank_measure(variants, config, bucket_mb, steps, batch):
     torch.manual_seed(1 + dist.get_rank())
     models = {name: _build(name, kw, config, bucket_mb) for name, kw in variants.items()}
     opts = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
-    x = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]))
-    y = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]))
+    device = get_device()
+    # data on the CPU from the CPU generator (the same numbers on every device), then moved
+    x = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]), device="cpu").to(device)
+    y = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]), device="cpu").to(device)
     times = {name: [] for name in models}
     step_events = {name: [] for name in models}
     for step in range(steps + 2):  # two warm-up steps
         for name, model in models.items():
             dist.barrier()
             trace.reset()
-            start = time.perf_counter()
+            start = device_clock(device)
             with trace.span("forward", "compute"):
                 loss = lm_loss(model(x), y)
             if name == TORCH_DDP:  # torch DDP records nothing itself: time its backward whole
@@ -115,7 +124,7 @@ def _rank_measure(variants, config, bucket_mb, steps, batch):
             with trace.span("optimizer", "compute"):
                 opts[name].step()
                 opts[name].zero_grad()
-            elapsed = time.perf_counter() - start
+            elapsed = device_clock(device) - start
             if step >= 2:
                 times[name].append(elapsed)
                 step_events[name].append(trace.events())

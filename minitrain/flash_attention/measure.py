@@ -17,11 +17,14 @@ from minitrain.flash_attention.io_model import causal_tiles, tiled_io
 from minitrain.flash_attention.tiles import TileLog, flash_attention_forward
 from minitrain.memory import saved_activation_bytes
 from minitrain.model import naive_attention
+from minitrain.runtime import get_device
 
 
 def _inputs(batch, heads, n, d, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, heads, n, d, generator=g, dtype=dtype).requires_grad_()
+    # from the CPU generator (the same numbers on every device), moved to this rank's device
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randn(batch, heads, n, d, generator=g, dtype=dtype, device="cpu").to(get_device())
+            .requires_grad_()
             for _ in range(3)]
 
 
@@ -51,9 +54,9 @@ def saved_bytes(n: int, d: int = 64, batch: int = 1, heads: int = 4, causal: boo
 def recorded_io(n_q: int, n_k: int, d: int, block_q: int, block_k: int, causal: bool = False) -> dict:
     """Run ``flash_attention_forward`` on one head with a ``TileLog`` and return what it
     recorded next to ``io_model.tiled_io`` and ``io_model.causal_tiles``."""
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(n_q, d, generator=g)
-    k, v = torch.randn(n_k, d, generator=g), torch.randn(n_k, d, generator=g)
+    g = torch.Generator(device="cpu").manual_seed(0)  # a count of tiles: the CPU is enough
+    q = torch.randn(n_q, d, generator=g, device="cpu")
+    k, v = (torch.randn(n_k, d, generator=g, device="cpu") for _ in range(2))
     log = TileLog()
     flash_attention_forward(q, k, v, causal, block_q, block_k, log)
     formula = tiled_io(n_q, n_k, d, block_q, block_k, causal)
@@ -70,7 +73,8 @@ def forward_backward_seconds(attentions: dict, n: int, d: int = 64, batch: int =
     on (batch, heads, n, d) fp32 inputs, timed in turns (``interleaved_seconds``) so a busy
     machine slows them all alike."""
     q, k, v = _inputs(batch, heads, n, d)
-    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    grad = torch.randn(q.shape, generator=torch.Generator(device="cpu").manual_seed(1),
+                       device="cpu").to(q.device)
 
     def step(attention):
         return lambda: torch.autograd.grad(attention(q, k, v, causal), (q, k, v), grad)

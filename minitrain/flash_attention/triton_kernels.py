@@ -204,6 +204,18 @@ def _launch_args(q, k, groups, causal):
                                                              1.0 / math.sqrt(d))
 
 
+def _check_device(*tensors) -> None:
+    """Compiled kernels read GPU memory; the interpreter (TRITON_INTERPRET=1, no GPU) reads
+    CPU tensors. A tensor on the other kind of device is named here, not met as a crash."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    want = "cpu" if interpreted else "cuda"
+    devices = {t.device for t in tensors}
+    if len(devices) > 1 or next(iter(devices)).type != want:
+        how = "Triton's interpreter (TRITON_INTERPRET=1)" if interpreted else "compiled kernels"
+        raise ValueError(f"FlashAttentionTritonFunction: q, k, v on {sorted(map(str, devices))}, "
+                         f"but {how} need them all on one {want} device")
+
+
 BLOCK = 32  # rows per tile; small so the interpreter stays quick (a GPU would use 64-128)
 
 
@@ -217,6 +229,7 @@ class FlashAttentionTritonFunction(torch.autograd.Function):
             raise TypeError("FlashAttentionTritonFunction accumulates in fp32 registers, so "
                             "float64 inputs would get fp32 accuracy; use FlashAttentionFunction "
                             "(the PyTorch tiles accumulate fp64 inputs in fp64)")
+        _check_device(q, k, v)
         qf, kf, vf, groups = _as_heads(q, k, v)
         out = torch.empty_like(qf)
         lse = torch.empty(qf.shape[:-1], dtype=torch.float32, device=q.device)

@@ -67,6 +67,7 @@ class FullyShardedDataParallel(ShardedUnits):
         kinds = {(p.dtype, p.device) for _, p in named}
         if len(kinds) > 1:
             raise ValueError(f"FullyShardedDataParallel: parameters of several kinds: {kinds}")
+        self.device = named[0][1].device  # where every flat buffer and flag of this wrapper lives
         whole = _replicated_ids(named, replicated_params)
         broadcast_from_first_rank(module, group)  # replicas start from rank 0's weights
         self.blocks, parts = split_into_units(module, named, units, exclude=whole)
@@ -247,7 +248,8 @@ class FullyShardedDataParallel(ShardedUnits):
         is launched — the same position on every rank — one small all-reduce of "used" flags.
         (Gathers a skipped unit would have had are launched too, to keep their order.)"""
         self._gather_down_to(0)
-        used = torch.tensor([float(u.ready > 0) for u in self._reduce_order])
+        # on the device of the gradients it is reduced beside (NCCL takes no CPU tensor)
+        used = torch.tensor([float(u.ready > 0) for u in self._reduce_order], device=self.device)
         self._launch_remaining()
         dist.all_reduce(used, group=self.group)
         self._unused = {id(u) for u, n in zip(self._reduce_order, used.tolist()) if n == 0}

@@ -13,11 +13,17 @@ from minitrain.memory.formulas import (
     estimate_training_memory,
     model_activation_bytes,
 )
-from minitrain.memory.measure import LiveSavedBytes, memory_timeline, saved_activation_bytes
+from minitrain.memory.measure import (
+    LiveSavedBytes,
+    PeakMemory,
+    memory_timeline,
+    saved_activation_bytes,
+)
 
 __all__ = [
     "BYTES_PER_PARAMETER",
     "LiveSavedBytes",
+    "PeakMemory",
     "block_activation_bytes",
     "bytes_per_parameter",
     "estimate_training_memory",

@@ -1,6 +1,7 @@
 """Measuring activations: the bytes autograd really saves for backward, and their timeline.
 
-Used by notebooks/01_single_device_training.ipynb (``saved_activation_bytes``,
+``PeakMemory(device)`` reads a peak where the device can tell it (a GPU's allocator, the
+course's accounting on the CPU). Used by notebooks/01_single_device_training.ipynb (``saved_activation_bytes``,
 ``memory_timeline``), 03_activation_checkpointing (``LiveSavedBytes``, whose ``_pack`` and
 ``_release`` it prints) and the measurements of later chapters (tensor, pipeline and context
 parallelism, flash attention); all import these names from ``minitrain.memory``, which
@@ -117,6 +118,40 @@ class LiveSavedBytes:
         self._hooks.__exit__(*exc)
 
 
+class PeakMemory:
+    """The peak bytes a block of code adds, read where the device can tell it.
+
+    ``with PeakMemory(device, exclude=params) as m: ...`` then ``m.peak``: on a GPU the
+    allocator's own high-water mark above what was allocated on entry
+    (``torch.cuda.max_memory_allocated``: activations, gradients, workspaces, everything);
+    on the CPU, which keeps no such statistic, the course's accounting — the peak of the
+    storages autograd saves (``LiveSavedBytes``). ``m.source`` says which was read.
+    """
+
+    def __init__(self, device, exclude=()):
+        self.device = torch.device(device)
+        self.exclude, self.peak = exclude, 0
+        self.source = "torch.cuda.max_memory_allocated" if self.device.type == "cuda" else (
+            "saved activations (LiveSavedBytes)")
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+        else:
+            self._live = LiveSavedBytes(self.exclude).__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self._base
+        else:
+            self._live.__exit__(*exc)
+            self.peak = self._live.peak
+
+
 class _Holder:
     __slots__ = ("tensor", "__weakref__")
 
@@ -141,7 +176,7 @@ def memory_timeline(model: nn.Module, optimizer, loss_fn, batches) -> list[dict]
     ("forward", "backward", "step"), label and the four byte counts, sampled after each
     block's forward, at each parameter's gradient, and after step and zero_grad.
     Activations are counted from the storages autograd holds, as they are released.
-    On CUDA each point also has ``allocated`` (torch.cuda.memory_allocated).
+    On CUDA each point also has ``allocated`` and ``max_allocated`` (the allocator's).
     """
     params = list(dict.fromkeys(model.parameters()))  # tied weights once
     param_bytes = sum(p.nbytes for p in params)
@@ -157,8 +192,9 @@ def memory_timeline(model: nn.Module, optimizer, loss_fn, batches) -> list[dict]
             optimizer=_state_bytes(optimizer),
             activations=tracker.live,
         )
-        if params[0].is_cuda:
+        if params[0].is_cuda:  # the allocator's view beside the course's count
             point["allocated"] = torch.cuda.memory_allocated(params[0].device)
+            point["max_allocated"] = torch.cuda.max_memory_allocated(params[0].device)
         points.append(point)
 
     handles = [

@@ -135,9 +135,11 @@ class PipelineStage(nn.Module):
         tensor = tensor.detach().contiguous()
         dst = self._rank_of(to_virtual)
         if kind == "F" and (to_virtual, state.key) not in self._sent_shapes:
-            header = torch.zeros(HEADER, dtype=torch.int64)
+            # the header travels beside the activation, on its device: under NCCL a CPU header
+            # would go to gloo, another backend, another ordering
+            header = torch.zeros(HEADER, dtype=torch.int64, device=tensor.device)
             header[0], header[1] = tensor.dim(), DTYPES.index(tensor.dtype)
-            header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
+            header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, device=tensor.device)
             state.sends.append((dist.isend(header, dst, self.group, HEADER_TAG + to_virtual), header))
             self._sent_shapes.add((to_virtual, state.key))
         with trace.span(f"send {kind}{mb}", "communication"):
@@ -149,10 +151,11 @@ class PipelineStage(nn.Module):
         from the stage holding ``from_virtual``. Blocks until it arrives (traced as a wait)."""
         me = from_virtual + (1 if kind == "F" else -1)  # the virtual stage receiving it
         src = self._rank_of(from_virtual)
+        device = like.device if like is not None else next(self.parameters()).device
         with trace.span(f"recv {kind}{mb}", "communication"):
             if kind == "F":
                 if (me, state.key) not in self._known_shapes:
-                    header = torch.zeros(HEADER, dtype=torch.int64)
+                    header = torch.zeros(HEADER, dtype=torch.int64, device=device)
                     dist.recv(header, src, self.group, HEADER_TAG + me)
                     ndim = int(header[0])
                     self._known_shapes[(me, state.key)] = (
@@ -160,7 +163,6 @@ class PipelineStage(nn.Module):
                 shape, dtype = self._known_shapes[(me, state.key)]
             else:
                 shape, dtype = like.shape, like.dtype
-            device = like.device if like is not None else next(self.parameters()).device
             buffer = torch.empty(shape, dtype=dtype, device=device)
             dist.recv(buffer, src, self.group, self._tag(kind, mb, me))
         return buffer

@@ -28,7 +28,7 @@ from minitrain.memory import LiveSavedBytes, saved_activation_bytes
 from minitrain.pipeline.check import UNIT, chunk_costs, simulate
 from minitrain.pipeline.executor import PipelineStage
 from minitrain.pipeline.schedules import make_schedule
-from minitrain.runtime import launch, trace
+from minitrain.runtime import device_clock, get_device, launch, trace
 
 _overshoot = []
 
@@ -136,7 +136,8 @@ def _rank_runs(kind, cases, m, batch, unit, config, repeats):
     from minitrain.model import GPT, GPTConfig
 
     p = dist.get_world_size()
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(device="cpu").manual_seed(1)  # data: CPU numbers, moved
+    device = get_device()
     results = []
     for name, v in cases:
         zb = name == "zero_bubble"
@@ -145,13 +146,15 @@ def _rank_runs(kind, cases, m, batch, unit, config, repeats):
             # as with chunks of unit/v (all costs scale alike), and the per-message overhead
             # stays small next to the sleep
             model = SleepGPT(p * v, unit, unit, unit if zb else 0.0)
-            x = torch.zeros(batch, 2, dtype=torch.long)
-            y = torch.zeros(batch, 2, dtype=torch.long)
+            x = torch.zeros(batch, 2, dtype=torch.long, device=device)
+            y = torch.zeros(batch, 2, dtype=torch.long, device=device)
         else:
             torch.manual_seed(0)
-            model = GPT(GPTConfig(**config))
-            x = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]), generator=g)
-            y = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]), generator=g)
+            with torch.device(device):
+                model = GPT(GPTConfig(**config))
+            shape = (batch, config["seq_len"])
+            x = torch.randint(0, config["vocab_size"], shape, generator=g, device="cpu").to(device)
+            y = torch.randint(0, config["vocab_size"], shape, generator=g, device="cpu").to(device)
         stage = PipelineStage(model, num_chunks=v)
         schedule = make_schedule(name, p, m, v)
         # warm-up: gloo connects a pair of ranks on its first message, and the first
@@ -163,9 +166,9 @@ def _rank_runs(kind, cases, m, batch, unit, config, repeats):
             dist.barrier()
             trace.reset()
             with LiveSavedBytes(exclude=list(stage.parameters())) as live:
-                t = time.perf_counter()
+                t = device_clock(x.device)
                 loss = stage.train_step(x, y, schedule, m)
-                seconds = time.perf_counter() - t
+                seconds = device_clock(x.device) - t
             runs.append(dict(events=trace.events(), seconds=seconds, peak_bytes=live.peak))
         chunk_bytes = None
         if kind == "gpt":

@@ -137,7 +137,7 @@ class FloatFormat:
         NaN encodes as the format's canonical quiet NaN (sign 0); values beyond `max` become
         inf (IEEE formats) or saturate to +-max (E4M3fn), exactly as `round` does.
         """
-        r = float(self.round(torch.tensor([float(x)], dtype=torch.float64))[0])
+        r = float(self.round(torch.tensor([float(x)], dtype=torch.float64, device="cpu"))[0])
         e_bits, m_bits = self.exponent_bits, self.mantissa_bits
         sign = (1 << (e_bits + m_bits)) if math.copysign(1.0, r) < 0 else 0
         all_ones = (1 << e_bits) - 1
@@ -210,7 +210,10 @@ class FloatFormat:
         in [0, 2**shift) to the significand, then truncate."""
         x = self._check(t)
         sig, shift, exp2 = self._split(x)
-        noise = torch.randint(0, 2**62, x.shape, generator=generator, dtype=torch.int64)
+        # drawn where the generator lives (the default: x's device), then beside x
+        where = generator.device if generator is not None else x.device
+        noise = torch.randint(0, 2**62, x.shape, generator=generator, dtype=torch.int64,
+                              device=where).to(x.device)
         noise = noise & ((torch.ones_like(shift) << shift) - 1)
         return self._finish(x, (sig + noise) >> shift, exp2, t.dtype)
 
@@ -245,7 +248,7 @@ def sequential_sum(values: torch.Tensor, accumulator: FloatFormat) -> torch.Tens
     "When is double rounding innocuous?"). Vectorised over the leading dimensions.
     """
     v = values.to(torch.float64)
-    acc = torch.zeros(v.shape[:-1], dtype=torch.float64)
+    acc = torch.zeros(v.shape[:-1], dtype=torch.float64, device=v.device)
     for i in range(v.shape[-1]):
         acc = accumulator.round(acc + v[..., i])
     return acc

@@ -22,7 +22,9 @@ from minitrain.precision.formats import FP8_E4M3, FP8_E5M2, FloatFormat
 def amax_scale(amax: torch.Tensor, fmt: FloatFormat, margin: int = 0) -> torch.Tensor:
     """scale = fmt.max / (amax * 2**margin): x * scale then spans the format's range without
     overflowing (per-tensor scaling, Micikevicius et al. 2022). amax of 0 or inf/NaN gives scale 1."""
-    amax = torch.as_tensor(amax, dtype=torch.float32)
+    # a number (a delayed amax from the history) becomes a CPU scalar; a tensor keeps its device
+    amax = (amax.float() if torch.is_tensor(amax)
+            else torch.tensor(amax, dtype=torch.float32, device="cpu"))
     ok = torch.isfinite(amax) & (amax > 0)
     return torch.where(ok, fmt.max / (amax.clamp(min=1e-30) * 2.0**margin), 1.0)
 
@@ -49,7 +51,7 @@ class DelayedScaling:
         amax = x.detach().abs().max().float()
         past = max(self.history) if self.history else float(amax)
         self.history.append(float(amax))
-        return amax_scale(torch.tensor(past), self.fmt, self.margin)
+        return amax_scale(torch.tensor(past, device=x.device), self.fmt, self.margin)
 
 
 class _QuantizedMatmul(torch.autograd.Function):
@@ -108,7 +110,7 @@ class QuantizedLinear(nn.Linear):
     def cast(self, t: torch.Tensor, role: str):
         fmt = self.formats[role]
         if self.scaling is None:
-            scale = torch.tensor(1.0)
+            scale = torch.tensor(1.0, device=t.device)
         elif self.scaling == "current":
             scale = amax_scale(t.detach().abs().max(), fmt)
         else:

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from minitrain.runtime import get_device
+
 
 class DynamicLossScaler:
     """Dynamic loss scaling with `torch.amp.GradScaler`'s semantics.
@@ -40,10 +42,13 @@ class DynamicLossScaler:
             raise ValueError(f"growth_interval must be a positive int, got {growth_interval!r}")
         self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
         self.growth_interval = growth_interval
+        # S is one number the host reads (get_scale, update): it lives on the CPU and goes to
+        # the loss's device in scale(); the overflow flags live where the gradients are.
         self._scale = torch.tensor(init_scale, dtype=torch.float32, device="cpu")
         self._growth_tracker = 0  # consecutive clean steps since the last growth or backoff
         self._found_inf: dict[int, bool] = {}  # id(optimizer) -> overflow seen, since update()
         self._stepped: set[int] = set()
+        self._grad_device: dict[int, torch.device] = {}  # id(optimizer) -> its gradients' device
 
     def get_scale(self) -> float:
         return float(self._scale)
@@ -64,7 +69,9 @@ class DynamicLossScaler:
             raise RuntimeError("unscale_() is being called after step().")
         # 1/S in float64 then float32, as GradScaler does, so the two agree bit for bit.
         inv_scale = self._scale.double().reciprocal().float()
-        found_inf = False
+        # One overflow flag per gradient device, on that device: the checks queue up on the
+        # GPU and the host waits once, at the end, instead of once per parameter.
+        flags: dict[torch.device, torch.Tensor] = {}
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for p in group["params"]:
@@ -76,9 +83,14 @@ class DynamicLossScaler:
                             "unscale_ got fp16 gradients: keep fp32 master gradients "
                             "(see MasterWeightOptimizer)"
                         )
-                    found_inf |= not bool(torch.isfinite(p.grad).all())
-                    p.grad.mul_(inv_scale.to(p.grad.device))
-        self._found_inf[key] = found_inf
+                    device = p.grad.device
+                    if device not in flags:
+                        flags[device] = torch.zeros((), dtype=torch.bool, device=device)
+                    flags[device] |= ~torch.isfinite(p.grad).all()
+                    p.grad.mul_(inv_scale.to(device))
+        self._found_inf[key] = any(bool(flag) for flag in flags.values())
+        if flags:
+            self._grad_device[key] = next(iter(flags))
 
     def all_reduce_found_inf(self, optimizer, group: ProcessGroup | None = None) -> bool:
         """Make this iteration's overflow verdict for `optimizer` the same on every rank of
@@ -92,8 +104,10 @@ class DynamicLossScaler:
         key = id(optimizer)
         if key not in self._found_inf:
             raise RuntimeError("all_reduce_found_inf() needs unscale_() first.")
-        # on the gradients' device (NCCL reduces only GPU tensors)
-        device = next((p.device for g in optimizer.param_groups for p in g["params"]), "cpu")
+        # On the gradients' device: under NCCL a CPU flag would go to gloo (the backend is
+        # chosen by the tensor's device), one more round trip beside NCCL's. A rank that had
+        # no gradient at all uses the rank's device.
+        device = self._grad_device.get(key) or get_device()
         flag = torch.tensor([float(self._found_inf[key])], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         self._found_inf[key] = bool(flag.item())
@@ -137,6 +151,7 @@ class DynamicLossScaler:
         ### END SOLUTION
         self._found_inf.clear()
         self._stepped.clear()
+        self._grad_device.clear()
 
     def state_dict(self) -> dict:
         """The scale and the growth tracker, so a resumed run scales as the straight run

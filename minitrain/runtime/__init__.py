@@ -24,7 +24,12 @@ from minitrain.runtime.rank import (
     running_under_torchrun,
 )
 from minitrain.runtime.stopping import Interrupted
-from minitrain.runtime.timing import median_and_quartiles, summarize_step_times
+from minitrain.runtime.timing import (
+    device_clock,
+    median_and_quartiles,
+    summarize_step_times,
+    synchronize,
+)
 
 __all__ = [
     "COMMUNICATION_LOG",
@@ -38,8 +43,10 @@ __all__ = [
     "get_device",
     "init_from_env",
     "launch",
+    "device_clock",
     "median_and_quartiles",
     "run",
     "running_under_torchrun",
     "summarize_step_times",
+    "synchronize",
 ]

@@ -4,12 +4,16 @@ A distributed step ends when its slowest rank does, so step i's time is the maxi
 ranks of their times for step i. Over the steps, the median is the number to quote and the
 first and third quartiles the spread: a slow moment of a shared machine moves the median
 little, and the spread shows it happened. Used by ``minitrain.ddp.measure`` and the
-benchmarks ``python -m minitrain.bench zero | tp | moe``.
+benchmarks ``python -m minitrain.bench zero | tp | moe``. ``device_clock(device)`` reads the
+clock once the device's queued work is done: what every timing in the course reads (issue 29).
 """
 
 from __future__ import annotations
 
 import statistics
+import time
+
+import torch
 
 
 def slowest_rank_times(per_rank: list[list[float]]) -> list[float]:
@@ -43,3 +47,20 @@ def summarize_step_times(per_rank: list[dict[str, list[float]]]) -> dict:
             slowest_rank_times([times[name] for times in per_rank])
         )
     return {"step_time": step_time, "spread": spread}
+
+
+# ------------------------------------------------------------------ reading the clock
+def synchronize(device) -> None:
+    """Wait until ``device`` has run everything queued on it. A GPU runs kernels
+    asynchronously: without this, a timer would stop when the work was *queued*, not done.
+    Nothing to wait for on the CPU (so never an unconditional ``torch.cuda.synchronize()``)."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        torch.get_device_module(device.type).synchronize(device)
+
+
+def device_clock(device) -> float:
+    """``time.perf_counter()`` once ``device`` has finished its queued work: read it before
+    and after what is timed, and the difference is that work's time on any device."""
+    synchronize(device)
+    return time.perf_counter()

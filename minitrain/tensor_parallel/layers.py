@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from minitrain.runtime import get_device
 from minitrain.tensor_parallel.mappings import (
     copy_to_parallel_region,
     gather_from_parallel_region,
@@ -47,6 +48,18 @@ def divide(total: int, parts: int, what: str) -> int:
     return total // parts
 
 
+
+def factory_kwargs(device=None, dtype=None) -> dict:
+    """``device=``/``dtype=`` for a layer's new parameters: built where they will live (this
+    rank's device unless told), never on the CPU and moved after."""
+    return {"device": torch.device(device) if device is not None else get_device(),
+            "dtype": dtype}
+
+
+def like(tensor: torch.Tensor) -> dict:
+    """A shard is built on its dense tensor's device, in its dtype."""
+    return {"device": tensor.device, "dtype": tensor.dtype}
+
 class ColumnParallelLinear(nn.Module):
     """A Linear whose *output* features are split across the group.
 
@@ -59,16 +72,17 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features, out_features, bias=True, gather_output=False,
                  group: ProcessGroup | None = None, sequence_parallel=False,
-                 communicate_input=True):
+                 communicate_input=True, device=None, dtype=None):
         super().__init__()
+        new = factory_kwargs(device, dtype)
         rank, size = group_rank_and_size(group)
         self.group, self.rank, self.tp_size = group, rank, size
         self.in_features, self.out_features = in_features, out_features
         self.local_out = divide(out_features, size, "output features")
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.communicate_input = communicate_input
-        self.weight = nn.Parameter(torch.empty(self.local_out, in_features))
-        self.bias = nn.Parameter(torch.zeros(self.local_out)) if bias else None
+        self.weight = nn.Parameter(torch.empty(self.local_out, in_features, **new))
+        self.bias = nn.Parameter(torch.zeros(self.local_out, **new)) if bias else None
         nn.init.normal_(self.weight, std=0.02)
 
     @classmethod
@@ -76,7 +90,7 @@ class ColumnParallelLinear(nn.Module):
                     **kwargs) -> ColumnParallelLinear:
         """Rank r's share of a dense Linear: rows r*o/t .. (r+1)*o/t of its weight and bias."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                    group=group, **kwargs).to(linear.weight.device, linear.weight.dtype)
+                    group=group, **like(linear.weight), **kwargs)
         rows = slice(layer.rank * layer.local_out, (layer.rank + 1) * layer.local_out)
         with torch.no_grad():
             layer.weight.copy_(linear.weight[rows])
@@ -128,15 +142,17 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features, out_features, bias=True, input_is_parallel=True,
-                 group: ProcessGroup | None = None, sequence_parallel=False):
+                 group: ProcessGroup | None = None, sequence_parallel=False, device=None,
+                 dtype=None):
         super().__init__()
+        new = factory_kwargs(device, dtype)
         rank, size = group_rank_and_size(group)
         self.group, self.rank, self.tp_size = group, rank, size
         self.in_features, self.out_features = in_features, out_features
         self.local_in = divide(in_features, size, "input features")
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        self.weight = nn.Parameter(torch.empty(out_features, self.local_in))
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.weight = nn.Parameter(torch.empty(out_features, self.local_in, **new))
+        self.bias = nn.Parameter(torch.zeros(out_features, **new)) if bias else None
         nn.init.normal_(self.weight, std=0.02)
 
     @classmethod
@@ -145,7 +161,7 @@ class RowParallelLinear(nn.Module):
         """Rank r's share of a dense Linear: columns r*i/t .. (r+1)*i/t of its weight; the
         whole bias (every rank keeps it, only the sum gets it)."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None,
-                    group=group, **kwargs).to(linear.weight.device, linear.weight.dtype)
+                    group=group, **like(linear.weight), **kwargs)
         cols = slice(layer.rank * layer.local_in, (layer.rank + 1) * layer.local_in)
         with torch.no_grad():
             layer.weight.copy_(linear.weight[:, cols])
@@ -204,22 +220,23 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings, embedding_dim, group: ProcessGroup | None = None,
-                 sequence_parallel=False):
+                 sequence_parallel=False, device=None, dtype=None):
         super().__init__()
+        new = factory_kwargs(device, dtype)
         rank, size = group_rank_and_size(group)
         self.group, self.rank, self.tp_size = group, rank, size
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.local_rows = divide(num_embeddings, size, "vocabulary rows")
         self.start = rank * self.local_rows
         self.sequence_parallel = sequence_parallel
-        self.weight = nn.Parameter(torch.empty(self.local_rows, embedding_dim))
+        self.weight = nn.Parameter(torch.empty(self.local_rows, embedding_dim, **new))
         nn.init.normal_(self.weight, std=0.02)
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, group: ProcessGroup | None = None, **kwargs):
         """Rank r's share of a dense Embedding: its contiguous slice of the vocabulary."""
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group=group, **kwargs)
-        layer = layer.to(embedding.weight.device, embedding.weight.dtype)
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, group=group,
+                    **like(embedding.weight), **kwargs)
         with torch.no_grad():
             layer.weight.copy_(embedding.weight[layer.start : layer.start + layer.local_rows])
         return layer

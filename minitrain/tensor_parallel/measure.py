@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from minitrain.memory import saved_activation_bytes
-from minitrain.runtime import launch
+from minitrain.runtime import get_device, launch
 from minitrain.tensor_parallel import mappings
 
 LAYERS = ("embedding", "attention", "mlp", "head")
@@ -161,15 +161,18 @@ def _rank_layers(config_kwargs, batch, sequence_parallel):
 
     torch.manual_seed(0)
     config = GPTConfig(**config_kwargs)
-    dense = GPT(config)
+    device = get_device()
+    with torch.device(device):  # built where this rank computes
+        dense = GPT(config)
     with torch.no_grad():  # no zero biases or unit gains: every shard is told apart by value
         for p in dense.parameters():
             p.normal_()
     model = apply_tensor_parallel(copy.deepcopy(dense), sequence_parallel=sequence_parallel)
     rank, t = dist.get_rank(), dist.get_world_size()
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator(device="cpu").manual_seed(1)  # CPU numbers, moved to the device
     s_local = config.seq_len // t if sequence_parallel else config.seq_len
-    idx = torch.randint(0, config.vocab_size, (batch, config.seq_len), generator=g)
+    idx = torch.randint(0, config.vocab_size, (batch, config.seq_len), generator=g,
+                        device="cpu").to(device)
     block = model.blocks[0]
     runs = {
         "embedding": (model.embed, idx),
@@ -180,7 +183,8 @@ def _rank_layers(config_kwargs, batch, sequence_parallel):
     layers = {}
     for name, (fn, arg) in runs.items():
         if arg is None:
-            arg = torch.randn(batch, s_local, config.d_model, generator=g).requires_grad_()
+            arg = torch.randn(batch, s_local, config.d_model, generator=g, device="cpu").to(device)
+            arg.requires_grad_()
         saved = saved_activation_bytes(fn, arg)
         mappings.reset_communication_log()
         y = fn(arg)
@@ -215,10 +219,12 @@ def _rank_measure(config_kwargs, batch, sequence_parallel):
 
     torch.manual_seed(0)
     config = GPTConfig(**config_kwargs)
-    model = apply_tensor_parallel(GPT(config), sequence_parallel=sequence_parallel)
+    device = get_device()
+    with torch.device(device):  # built where this rank computes
+        model = apply_tensor_parallel(GPT(config), sequence_parallel=sequence_parallel)
     t, s = dist.get_world_size(), config.seq_len
-    x = torch.randn(batch, s // t if sequence_parallel else s, config.d_model,
-                    generator=torch.Generator().manual_seed(1))
+    x = torch.randn(batch, s // t if sequence_parallel else s, config.d_model, device="cpu",
+                    generator=torch.Generator(device="cpu").manual_seed(1)).to(device)
     block = model.blocks[0]
     out = {"activation_bytes": saved_activation_bytes(block, x)}
     x.requires_grad_()

@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from minitrain.runtime import launch, trace
+from minitrain.runtime import get_device, launch, trace
 from minitrain.widgets import live, plot_png
 
 
 def _ring_pass(numel: int, rounds: int):
     rank, world = dist.get_rank(), dist.get_world_size()
-    token = torch.zeros(numel)
+    token = torch.zeros(numel, device=get_device())  # on a GPU node, NCCL carries it
     dist.barrier()
     for r in range(rounds):
         if world == 1:

@@ -53,7 +53,7 @@ def count_buckets(param_bytes: list[int], cap_mb: float) -> int:
     """Number of buckets ``assign_buckets`` makes for parameters of these sizes (fp32)."""
     import torch
 
-    params = [torch.empty(b // 4) for b in param_bytes]
+    params = [torch.empty(b // 4, device="meta") for b in param_bytes]  # sizes only, no data
     return len(assign_buckets(params, cap_mb * 2**20))
 
 

@@ -32,15 +32,15 @@ from minitrain.widgets import live, plot_png
 def trace_tiles(n: int = 12, d: int = 4, block_q: int = 4, block_k: int = 4, causal: bool = True,
                 seed: int = 0) -> dict:
     """Every tile the tiled forward computes, in order, with the running state after it."""
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(n, d, generator=g) for _ in range(3))
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q, k, v = (torch.randn(n, d, generator=g, device="cpu") for _ in range(3))
     s_full = q @ k.T / math.sqrt(d)
     if causal:
-        s_full = s_full.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), -math.inf)
+        s_full = s_full.masked_fill(torch.ones(n, n, dtype=torch.bool, device="cpu").triu(1), -math.inf)
     steps = []
     for i0, i1 in blocks(n, block_q):
-        m = torch.full((i1 - i0,), -math.inf)
-        row_sum, acc = torch.zeros(i1 - i0), torch.zeros(i1 - i0, d)
+        m = torch.full((i1 - i0,), -math.inf, device="cpu")
+        row_sum, acc = torch.zeros(i1 - i0, device="cpu"), torch.zeros(i1 - i0, d, device="cpu")
         visit = visible_key_blocks(i0, i1, k, block_k, causal)
         for j0, j1 in visit:
             s = q[i0:i1] @ k[j0:j1].T / math.sqrt(d)
@@ -86,8 +86,8 @@ def compute_io_view(n: int, d: int, block: int, causal: bool = False) -> dict:
     if block < 1:
         raise ValueError(f"block must be at least 1, got {block}")
     log = TileLog()
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(n, d, generator=g) for _ in range(3))
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v = (torch.randn(n, d, generator=g, device="cpu") for _ in range(3))
     flash_attention_forward(q, k, v, causal, block, block, log)
     formula = tiled_io(n, n, d, block, block, causal)
     return {"block": block, "sram_elements": 4 * block * d, "recorded": log.reads + log.writes,

@@ -37,7 +37,13 @@ from minitrain.runtime import trace
 from minitrain.zero.accounting import count_sent, optimizer_state_tensors, storage_bytes
 from minitrain.zero.buffers import FlatUnit, all_gather_tensor, reduce_scatter_tensor
 from minitrain.zero.gather_order import OrderedGathers
-from minitrain.zero.mixed_precision import attach_master, cast_inputs, cast_rest
+from minitrain.zero.mixed_precision import (
+    attach_master,
+    cast_inputs,
+    cast_rest,
+    host_buffer,
+    wait_for_host_copies,
+)
 from minitrain.zero.sharded_units import split_into_units
 
 
@@ -106,6 +112,7 @@ class ZeroDataParallel(OrderedGathers):
             raise ValueError(
                 f"ZeroDataParallel: all parameters must share one dtype and device, got {kinds}"
             )
+        self.device = named[0][1].device  # where the units, buffers and flags live
         broadcast_from_first_rank(module, group)  # replicas start from rank 0's weights
         if stage < 3:  # chapter 4's buckets: reverse registration order, closed at the cap
             buckets = assign_buckets([p for _, p in named], bucket_cap_mb * 2**20)
@@ -228,7 +235,13 @@ class ZeroDataParallel(OrderedGathers):
                 u.grad_shard.div_(self.world_size)
         for u in self.live_units():
             g = u.grad_shard if u.grad_shard is not None else torch.zeros_like(u.master)
-            u.master.grad = g.to(u.master.device, copy=self.offload)
+            if self.offload:  # to the host: queued on the stream, waited for once below
+                u.master.grad = host_buffer(g, u.master.device, u.master.dtype)
+                u.master.grad.copy_(g, non_blocking=True)
+            else:
+                u.master.grad = g.to(u.master.device)
+        if self.offload:
+            wait_for_host_copies(self.device)
         with trace.span("optimizer step", "compute"):
             if self.loss_scaler is None:
                 self.optimizer.step()
@@ -237,7 +250,9 @@ class ZeroDataParallel(OrderedGathers):
         with torch.no_grad():
             for u in self.live_units():
                 if self._separate_master:  # the updated slice, rounded, travels back to the unit
-                    u.shard.copy_(u.master)
+                    # (from pinned memory without stalling the host; the all-gather after it
+                    # is on the same stream, so it reads the copied values)
+                    u.shard.copy_(u.master, non_blocking=self.offload)
                 u.master.grad = None
                 if self.stage == 1:
                     u.grad_shard = None

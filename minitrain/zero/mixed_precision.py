@@ -45,10 +45,32 @@ def attach_master(
     master keeps every digit of the fp32 weights."""
     dtype = unit.shard.dtype if compute_dtype is None else torch.float32
     separate = compute_dtype is not None or host is not None
-    master = unit.shard.detach().to(host or unit.shard.device, dtype, copy=separate)
+    if host is not None:
+        master = host_buffer(unit.shard, host, dtype)
+        master.copy_(unit.shard.detach(), non_blocking=True)
+        wait_for_host_copies(unit.shard.device)  # the host reads it from now on
+    else:
+        master = unit.shard.detach().to(unit.shard.device, dtype, copy=separate)
     unit.master = torch.nn.Parameter(master)
     if compute_dtype is not None:
         cast_unit(unit, compute_dtype, rank, own_shard)
+
+
+def host_buffer(like: torch.Tensor, host, dtype=None) -> torch.Tensor:
+    """A host tensor shaped as ``like`` for ZeRO-Offload (Ren et al. 2021): in pinned (page-
+    locked) memory when ``like`` is on a GPU, so copies both ways are DMA transfers the host
+    need not wait for (``non_blocking=True``); ordinary memory when it is on the CPU."""
+    pinned = like.device.type == "cuda"
+    return torch.empty(like.shape, dtype=dtype or like.dtype, device=host, pin_memory=pinned)
+
+
+def wait_for_host_copies(device) -> None:
+    """Copies to pinned memory run on ``device``'s current stream, after the kernels that made
+    their data; the host waits for that stream once, before it reads the copies (the CPU
+    optimizer), instead of once per copy. Nothing to wait for on the CPU."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 def cast_rest(module: torch.nn.Module, dtype: torch.dtype, sharded: set) -> None:
