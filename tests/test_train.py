@@ -218,6 +218,13 @@ def _expected_counts(layout, coords):
         out["pp"] = c
     if dp > 1:  # chapter 4: one average of the gradients; + the logged loss (4 bytes)
         out["dp"] = Counter({("all-reduce", 4): 1})
+    # the global gradient norm (logged every step): one fp32 sum of squares over the whole
+    # mesh — named after the only axis when the mesh has one, else after its ranks
+    axes = [axis for axis, size in (("tp", tp), ("pp", pp), ("dp", dp)) if size > 1]
+    if len(axes) == 1:
+        out[axes[0]][("all-reduce", 4)] += 1
+    else:
+        out[str(tuple(range(dp * tp * pp)))] = Counter({("all-reduce", 4): 1})
     return out
 
 
@@ -243,7 +250,8 @@ def test_collectives_per_group_match_the_formulas(runs, layout):
         if dp > 1:
             n = params_per_rank(CFG, tp, pp, rank["coords"].pp)
             grads = got["dp"].copy()
-            assert grads.pop(("all-reduce", 4)) == 1, got["dp"]  # the logged loss
+            # the logged loss (and, on a data-parallel-only mesh, the gradient norm)
+            assert grads.pop(("all-reduce", 4)) == want["dp"][("all-reduce", 4)], got["dp"]
             if layout.get("zero") == 1:  # ZeRO-1: one all-gather of the updated shares
                 gathers = [(k, v) for k, v in grads.items() if k[0] == "all-gather"]
                 assert len(gathers) == 1 and gathers[0][1] == 1, got["dp"]

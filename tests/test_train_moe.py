@@ -178,7 +178,7 @@ def test_planner_moe_layouts_train_like_one_process():
                                            checkpointing=("none",)) if lo.microbatches == 1]
     assert any(lo["zero"] == 3 for lo in layouts)
     assert {lo["ep"] for lo in layouts} == {1, 2, 4}
-    ref, _ = reference("sgd")
+    ref, *_ = reference("sgd")
     results = launch(_train_planner_layouts, 4, layouts, timeout=600)
     for i, layout in enumerate(layouts):
         for rank, got in enumerate(r[i] for r in results):
