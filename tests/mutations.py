@@ -1180,7 +1180,8 @@ MUTATIONS = [
         "    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:",
         "    if False:",
         ["tests/test_faults.py::test_a_flipped_byte_in_a_rank_file_stops_resume_naming_the_file",
-         "tests/test_faults.py::test_a_flipped_byte_stops_resume_in_one_process_too"],
+         "tests/test_faults.py::test_a_flipped_byte_stops_resume_in_one_process_too",
+         "tests/test_faults.py::test_a_flipped_byte_in_a_zero_shard_is_named"],
     ),
     Mutation(
         "issue 30: a failed save leaves its .partial directory",

@@ -236,3 +236,19 @@ def test_a_nproc_run_ends_without_warnings_or_progress_frames(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "\r" not in done.stderr + done.stdout and "leaked" not in done.stderr, done.stderr
     assert done.stderr.strip() == "", done.stderr
+
+
+def test_a_flipped_byte_in_a_zero_shard_is_named():
+    """Chapter 5's checkpoints carry the same SHA-256 per shard."""
+    from test_zero_checkpoint import _run  # tests/ is on sys.path under pytest
+
+    from minitrain.runtime import LaunchError
+
+    with tempfile.TemporaryDirectory() as ck:
+        launch(_run, 2, 2, 2, save_dir=ck, save_at=(2,), timeout=60, print_output=False)
+        shard = os.path.join(ck, "step_00000002", "shard_00001.pt")
+        data = bytearray(open(shard, "rb").read())
+        data[len(data) // 2] ^= 0x10
+        open(shard, "wb").write(bytes(data))
+        with pytest.raises(LaunchError, match="shard_00001.pt is corrupt"):
+            launch(_run, 2, 2, 2, load=os.path.dirname(shard), timeout=60, print_output=False)
