@@ -1263,10 +1263,10 @@ MUTATIONS = [
          "[PipelineStage-1F1B]"],
     ),
     Mutation(
-        "tensor-parallel layer built on the default device",
+        "tensor-parallel column shard without a device",
         "minitrain/tensor_parallel/layers.py",
-        "    return {\"device\": torch.device(device) if device is not None else get_device(),\n",
-        "    return {\"device\": device,\n",
+        "self.weight = nn.Parameter(torch.empty(self.local_out, in_features, **new))",
+        "self.weight = nn.Parameter(torch.empty(self.local_out, in_features))",
         ["tests/test_device_canary.py::test_step_gives_the_same_numbers_under_the_canary[TP-SP]"],
     ),
 ]

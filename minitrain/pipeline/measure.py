@@ -124,10 +124,11 @@ def _chunk_bytes(stage, batch, seq_len, d_model, targets) -> list:
             h = chunk(chunk.embed(x) if chunk.first else x)
             return chunk.loss(h, targets) if chunk.last else h
 
+        device = params[0].device
         if chunk.first:
-            x = torch.zeros(batch, seq_len, dtype=torch.long)
+            x = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
         else:
-            x = torch.zeros(batch, seq_len, d_model, requires_grad=True)
+            x = torch.zeros(batch, seq_len, d_model, device=device, requires_grad=True)
         out.append(saved_activation_bytes(one, x, exclude=params))
     return out
 
@@ -145,7 +146,8 @@ def _rank_runs(kind, cases, m, batch, unit, config, repeats):
             # every action sleeps ``unit``, a chunk's too: the bubble fraction is the same
             # as with chunks of unit/v (all costs scale alike), and the per-message overhead
             # stays small next to the sleep
-            model = SleepGPT(p * v, unit, unit, unit if zb else 0.0)
+            with torch.device(device):
+                model = SleepGPT(p * v, unit, unit, unit if zb else 0.0)
             x = torch.zeros(batch, 2, dtype=torch.long, device=device)
             y = torch.zeros(batch, 2, dtype=torch.long, device=device)
         else:

@@ -296,22 +296,33 @@ def _each(names):
     return results
 
 
+def _in_turn(names):
+    """The cases one after the other in a rank; a raise ends the launch at once (the parent
+    stops the other rank, which would otherwise wait in a collective until the timeout)."""
+    return {name: CASES[name][0]() for name in names}
+
+
 def run_each(names):
     """Every named case: the one-process ones here, the two-rank ones in one launch (one
-    start-up for all of them). name -> {"numbers": [per rank]} or {"error": text}."""
+    start-up for all of them; if it fails, each in its own, so the error is the case's).
+    name -> {"numbers": [per rank]} or {"error": text}."""
     single = [n for n in names if CASES[n][1] == 1]
     multi = [n for n in names if CASES[n][1] == 2]
     results = {n: {**r, "numbers": [r["numbers"]]} if "numbers" in r else r
                for n, r in _each(single).items()}
-    if multi:
+    groups = [multi]
+    while groups:
+        group = groups.pop(0)
         try:
-            per_rank = launch(_each, 2, multi, timeout=300, print_output=False)
+            per_rank = launch(_in_turn, 2, group, timeout=120, print_output=False)
         except Exception as exc:
-            per_rank = [{n: {"error": f"{type(exc).__name__}: {exc}"[-3000:]} for n in multi}]
-        for name in multi:
-            errors = [r[name]["error"] for r in per_rank if "error" in r[name]]
-            results[name] = ({"error": errors[0]} if errors else
-                             {"numbers": [r[name]["numbers"] for r in per_rank]})
+            if len(group) > 1:
+                groups += [[name] for name in group]
+                continue
+            results[group[0]] = {"error": f"{type(exc).__name__}: {exc}"[-3000:]}
+            continue
+        for name in group:
+            results[name] = {"numbers": [r[name] for r in per_rank]}
     return results
 
 
