@@ -1269,6 +1269,15 @@ MUTATIONS = [
         "self.weight = nn.Parameter(torch.empty(self.local_out, in_features))",
         ["tests/test_device_canary.py::test_step_gives_the_same_numbers_under_the_canary[TP-SP]"],
     ),
+    # issue 33 (merge): the fused tiles and ring attention
+    Mutation(
+        "issue 33: the fused backward negates the caller's logsumexp in place (ring attention's later blocks)",
+        "minitrain/flash_attention/fused_tiles.py",
+        "_rows(lse4, i0, i1).neg(),",
+        "_rows(lse4, i0, i1).neg_(),",
+        ["tests/test_perf_flash.py::test_the_fused_backward_leaves_its_inputs_untouched",
+         "tests/test_context_parallel.py::test_outputs_and_gradients_equal_full_attention"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

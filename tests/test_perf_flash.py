@@ -69,3 +69,23 @@ def test_the_io_model_counts_what_the_fused_tiles_run(causal):
     formula = tiled_io(50, 50, 8, 16, 8, causal)
     per_head = {key: log_value // 2 for key, log_value in (("reads", log.reads), ("writes", log.writes))}
     assert per_head["reads"] == formula["reads"] and per_head["writes"] == formula["writes"], (log.reads, formula)
+
+
+@pytest.mark.parametrize("n", [16, 300])  # one block (views of the inputs) and several
+def test_the_fused_backward_leaves_its_inputs_untouched(n):
+    """Ring attention (chapter 10) calls the backward once per key block with the same global
+    output and logsumexp: a tile that negated the caller's logsumexp in place (one block, a
+    contiguous input is its own view) made every later block's gradient wrong."""
+    from minitrain.flash_attention.tiles import flash_attention_backward, flash_attention_forward
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 8, dtype=torch.float64) for _ in range(3))
+    out, lse = flash_attention_forward(q, k, v, causal=True)
+    grad = torch.randn_like(out)
+    inputs = [t.clone() for t in (q, k, v, out, lse, grad)]
+    first = flash_attention_backward(q, k, v, out, lse, grad, causal=True)
+    for before, now in zip(inputs, (q, k, v, out, lse, grad)):
+        assert torch.equal(before, now), "flash_attention_backward modified an input"
+    again = flash_attention_backward(q, k, v, out, lse, grad, causal=True)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b), "a second call on the same inputs gave another gradient"

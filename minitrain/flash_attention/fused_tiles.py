@@ -42,7 +42,8 @@ def _as_batches(qg, kg, vg, groups: int):
 
 def _rows(t4, i0: int, i1: int, scale: float | None = None):
     """Rows i0..i1 of every group head of t4 (Bt, G, N, ...) stacked: (Bt, G·(i1-i0), ...),
-    a fresh contiguous tensor (times ``scale`` if given, in the same pass)."""
+    contiguous (times ``scale`` if given, in the same pass). Without ``scale`` it may be a view
+    of the caller's tensor (one block, already contiguous): never modify it in place."""
     part = t4[:, :, i0:i1]
     flat = part.mul(scale) if scale is not None else part.contiguous()
     return flat.reshape(t4.shape[0], -1, *t4.shape[3:])
@@ -112,7 +113,7 @@ def fused_backward(qg, kg, vg, do, o, lse, groups: int, causal: bool, block_q: i
     neg_delta = (do4 * o4).sum(dim=-1, keepdim=True).neg_()  # -D_i = -rowsum(dO_i * O_i)
     q_blocks = blocks(nq, block_q)
     # per query block, once: q (unscaled), dO, -L, -D as (Bt, G·bq, ·) and its dQ accumulator
-    rows = [(_rows(q4, i0, i1), _rows(do4, i0, i1), _rows(lse4, i0, i1).neg_(),
+    rows = [(_rows(q4, i0, i1), _rows(do4, i0, i1), _rows(lse4, i0, i1).neg(),
              _rows(neg_delta, i0, i1)) for i0, i1 in q_blocks]
     dq = [torch.zeros_like(r[0]) for r in rows]
     dk = torch.empty(bt, nk, d, dtype=qg.dtype, device=qg.device)
