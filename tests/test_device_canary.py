@@ -122,7 +122,6 @@ LAYOUTS = {
     "dp2 tp2 sp": ["--nproc", "4", "--dp", "2", "--tp", "2", "--sequence-parallel"],
     "pp2 cp2": ["--nproc", "4", "--pp", "2", "--cp", "2", "--microbatches", "2"],
 }
-TRAINER = "trainer on get_device: merged by the lead"
 
 
 def _train(args, log, canary):
@@ -139,7 +138,6 @@ def reference_losses(tmp_path_factory):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.xfail(strict=False, reason=TRAINER)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_training_command_under_the_canary(layout, reference_losses, tmp_path):
     losses = _train(LAYOUTS[layout], tmp_path / "log", canary=True)
@@ -148,10 +146,27 @@ def test_training_command_under_the_canary(layout, reference_losses, tmp_path):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.xfail(strict=False, reason=TRAINER)
 def test_resumed_run_under_the_canary(reference_losses, tmp_path):
     ck, log = tmp_path / "ck", tmp_path / "log"
     args = ["--nproc", "2", "--dp", "2", "--zero", "1", "--checkpoint-dir", str(ck)]
     _train(args, log, canary=True)
     losses = _train([*args, "--steps", "4", "--resume"], log, canary=True)
     assert losses[-2:] == pytest.approx(reference_losses[2:], abs=1e-5)
+
+
+# ------------------------------------------------------------------- the MoE layer's parts
+@pytest.mark.parametrize("how", ["device=", "MINITRAIN_DEVICE"])
+def test_moe_layer_is_built_on_its_device(how, monkeypatch):
+    """Experts and router take ``device=`` as torch modules do, else ``get_device()``: every
+    parameter and buffer is born there (``meta`` here: nothing is left on the CPU default),
+    and a copy (``from_local``'s deepcopy of the router) keeps it."""
+    import copy
+
+    from minitrain.moe import MoELayer
+
+    if how == "MINITRAIN_DEVICE":
+        monkeypatch.setenv("MINITRAIN_DEVICE", "meta")
+    layer = MoELayer(8, 16, 4, top_k=2, **({"device": "meta"} if how == "device=" else {}))
+    tensors = [*layer.parameters(), *layer.buffers(), layer.router.aux_loss,
+               copy.deepcopy(layer.router).aux_loss]
+    assert {t.device.type for t in tensors} == {"meta"}
