@@ -1301,6 +1301,13 @@ MUTATIONS = [
         "torch.float32",
         ["tests/test_command_mfu.py::test_mfu_uses_the_devices_peak_in_the_compute_dtype"],
     ),
+    Mutation(
+        "issue 29: the Markov chain's transition matrix without device",
+        "minitrain/data.py",
+        'P = torch.zeros(vocab_size, vocab_size, dtype=torch.float64, device="cpu")',
+        "P = torch.zeros(vocab_size, vocab_size, dtype=torch.float64)",
+        ["tests/test_device_canary.py::test_data_is_generated_on_the_cpu_by_name[canary]"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

@@ -170,3 +170,33 @@ def test_moe_layer_is_built_on_its_device(how, monkeypatch):
     tensors = [*layer.parameters(), *layer.buffers(), layer.router.aux_loss,
                copy.deepcopy(layer.router).aux_loss]
     assert {t.device.type for t in tensors} == {"meta"}
+
+
+# --------------------------------------------------------------------------- the data
+DATA_SCRIPT = """
+import json, torch
+from minitrain.data import MarkovChainData, TextData, get_batch
+d = MarkovChainData(32, 8, seed=3)
+text = TextData.from_bytes(bytes(range(256)) * 4, 8, seed=1)
+out = [get_batch(1, 4, 1, 2, vocab_size=32, seq_len=8), d.get_batch(2, 4, held_out=True),
+       text.get_batch(0, 4), text.get_batch(5, 4, held_out=True)]
+print(json.dumps({"batches": [[t.tolist() for t in xy] for xy in out],
+                  "devices": sorted({str(t.device) for xy in out for t in xy}),
+                  "entropy": d.entropy_rate()}))
+"""
+
+
+@pytest.mark.parametrize("canary", [True, False], ids=["canary", "plain"])
+def test_data_is_generated_on_the_cpu_by_name(canary):
+    """The data (no caller's ``torch.device`` context around it) names "cpu" for every tensor
+    it makes: under the canary the batches are the same numbers as without, on the CPU."""
+    def batches(with_canary):
+        proc = subprocess.run([sys.executable, "-c", DATA_SCRIPT], env=_env(with_canary),
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    got = batches(canary)
+    assert got["devices"] == ["cpu"]
+    if canary:
+        assert got == batches(False)
