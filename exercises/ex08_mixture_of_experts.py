@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from dataclasses import dataclass
 from torch import nn
+from minitrain.moe.experts import factory_kwargs
 from minitrain.moe.losses import batch_load_balancing_loss, router_z_loss
 
 
@@ -81,4 +82,4 @@ def load_balancing_loss(router_probs: torch.Tensor, expert_indices: torch.Tensor
     # HINT: averages probabilities over tokens; only P carries the gradient
     raise NotImplementedError("exercise: write load_balancing_loss (see its docstring)")
 
-# minitrain-exercises-hash: 23f96a7ade6c1868
+# minitrain-exercises-hash: 3f7d0c2a411037bf

@@ -51,7 +51,8 @@ class MarkovChainData:
     def entropy_rate(self) -> float:
         """H = -sum_i pi_i sum_j P_ij ln P_ij (nats/token): the best loss any model can reach."""
         P = self.transitions.double()
-        pi = torch.full((self.vocab_size,), 1.0 / self.vocab_size, dtype=torch.float64)
+        pi = torch.full((self.vocab_size,), 1.0 / self.vocab_size, dtype=torch.float64,
+                        device=P.device)
         for _ in range(1000):  # power iteration to the stationary distribution
             pi = pi @ P
         logP = torch.where(P > 0, P.log(), torch.zeros_like(P))
@@ -77,11 +78,13 @@ class MarkovChainData:
     def _sequences(self, step: int, batch_size: int, stream: int = 0) -> torch.Tensor:
         # Generated on the CPU with its own generator: identical on every device and rank,
         # and independent of the global RNG (model init and dropout do not shift the data).
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step + stream)
+        # Every tensor here names "cpu" (issue 29); the caller moves the rows (``_rows``).
+        gen = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + step + stream)
         cumulative = self.transitions.cumsum(dim=1)
-        out = torch.empty(batch_size, self.seq_len + 1, dtype=torch.long)
-        out[:, 0] = torch.randint(self.vocab_size, (batch_size,), generator=gen)
-        uniforms = torch.rand(self.seq_len, batch_size, 1, generator=gen, dtype=torch.float64)
+        out = torch.empty(batch_size, self.seq_len + 1, dtype=torch.long, device="cpu")
+        out[:, 0] = torch.randint(self.vocab_size, (batch_size,), generator=gen, device="cpu")
+        uniforms = torch.rand(self.seq_len, batch_size, 1, generator=gen, dtype=torch.float64,
+                              device="cpu")
         for t in range(self.seq_len):  # sample the next token of every row at once
             rows = cumulative[out[:, t]]
             nxt = torch.searchsorted(rows, uniforms[t], right=True).squeeze(1)
@@ -181,19 +184,21 @@ class TextData:
             starts = first % (len(part) - window + 1)
         else:
             part = self.tokens[: self.split]
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-            starts = torch.randint(len(part) - window + 1, (batch_size,), generator=gen)
+            gen = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + step)
+            starts = torch.randint(len(part) - window + 1, (batch_size,), generator=gen,
+                                   device="cpu")
         tokens = part[starts[:, None] + torch.arange(window, device="cpu")]
         return _rows(tokens, batch_size, rank, world_size, device)
 
 
 @lru_cache(maxsize=16)
 def _transition_matrix(vocab_size: int, branching: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    P = torch.zeros(vocab_size, vocab_size, dtype=torch.float64)
+    # on the CPU with a CPU generator: the same chain on every device (issue 29)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    P = torch.zeros(vocab_size, vocab_size, dtype=torch.float64, device="cpu")
     for i in range(vocab_size):
-        successors = torch.randperm(vocab_size, generator=gen)[:branching]
-        weights = torch.rand(branching, generator=gen, dtype=torch.float64) + 0.5
+        successors = torch.randperm(vocab_size, generator=gen, device="cpu")[:branching]
+        weights = torch.rand(branching, generator=gen, dtype=torch.float64, device="cpu") + 0.5
         P[i, successors] = weights / weights.sum()
     return P
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from dataclasses import dataclass
 from torch import nn
+from minitrain.moe.experts import factory_kwargs
 from minitrain.moe.losses import batch_load_balancing_loss, router_z_loss
 
 
@@ -100,4 +101,4 @@ def load_balancing_loss(router_probs: torch.Tensor, expert_indices: torch.Tensor
     return num_experts * (f * p).sum()
     ### END SOLUTION
 
-# minitrain-exercises-hash: 6375907c64940196
+# minitrain-exercises-hash: c48c4220f1276d74

@@ -1278,6 +1278,44 @@ MUTATIONS = [
         ["tests/test_perf_flash.py::test_the_fused_backward_leaves_its_inputs_untouched",
          "tests/test_context_parallel.py::test_outputs_and_gradients_equal_full_attention"],
     ),
+    Mutation(
+        "issue 29: the MoE router's copy starts its aux loss on the default device",
+        "minitrain/moe/router.py",
+        '"aux_loss": torch.zeros((), device=self.gate.weight.device),',
+        '"aux_loss": torch.zeros(()),',
+        ["tests/test_device_canary.py::test_step_gives_the_same_numbers_under_the_canary"
+         "[expert-parallel-MoE]",
+         "tests/test_device_canary.py::test_moe_layer_is_built_on_its_device"],
+    ),
+    Mutation(
+        "issue 29: the all-to-all split check's tensor on the CPU (NCCL gets a CPU tensor)",
+        "minitrain/moe/all_to_all.py",
+        "dtype=torch.long, device=device)",
+        "dtype=torch.long)",
+        ["tests/test_device_canary.py::test_step_gives_the_same_numbers_under_the_canary"
+         "[expert-parallel-MoE]"],
+    ),
+    Mutation(
+        "issue 29: an expert weight without device",
+        "minitrain/moe/experts.py",
+        "self.w_in = nn.Parameter(torch.empty(num_experts, d_model, d_ff, **kw))",
+        "self.w_in = nn.Parameter(torch.empty(num_experts, d_model, d_ff))",
+        ["tests/test_device_canary.py::test_moe_layer_is_built_on_its_device"],
+    ),
+    Mutation(
+        "issue 29: the command's MFU against the fp32 peak whatever --precision",
+        "minitrain/parallel/command.py",
+        'PRECISIONS[args.get("precision", "fp32")] or torch.float32',
+        "torch.float32",
+        ["tests/test_command_mfu.py::test_mfu_uses_the_devices_peak_in_the_compute_dtype"],
+    ),
+    Mutation(
+        "issue 29: the Markov chain's transition matrix without device",
+        "minitrain/data.py",
+        'P = torch.zeros(vocab_size, vocab_size, dtype=torch.float64, device="cpu")',
+        "P = torch.zeros(vocab_size, vocab_size, dtype=torch.float64)",
+        ["tests/test_device_canary.py::test_data_is_generated_on_the_cpu_by_name[canary]"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

@@ -26,9 +26,7 @@ sys.path.insert(0, str(CANARY))
 from cases import CASES  # noqa: E402  (tests/device_canary/cases.py)
 
 # waiting for other parts of issue 29 (named in the report; the case runs and shows the error)
-PENDING = {
-    "expert-parallel MoE": "moe/router.py's zeros without a device: the MoE helper's part",
-}
+PENDING: dict[str, str] = {}
 
 
 def _env(canary: bool) -> dict:
@@ -124,7 +122,6 @@ LAYOUTS = {
     "dp2 tp2 sp": ["--nproc", "4", "--dp", "2", "--tp", "2", "--sequence-parallel"],
     "pp2 cp2": ["--nproc", "4", "--pp", "2", "--cp", "2", "--microbatches", "2"],
 }
-TRAINER = "trainer on get_device: merged by the lead"
 
 
 def _train(args, log, canary):
@@ -141,7 +138,6 @@ def reference_losses(tmp_path_factory):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.xfail(strict=False, reason=TRAINER)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_training_command_under_the_canary(layout, reference_losses, tmp_path):
     losses = _train(LAYOUTS[layout], tmp_path / "log", canary=True)
@@ -150,10 +146,57 @@ def test_training_command_under_the_canary(layout, reference_losses, tmp_path):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.xfail(strict=False, reason=TRAINER)
 def test_resumed_run_under_the_canary(reference_losses, tmp_path):
     ck, log = tmp_path / "ck", tmp_path / "log"
     args = ["--nproc", "2", "--dp", "2", "--zero", "1", "--checkpoint-dir", str(ck)]
     _train(args, log, canary=True)
     losses = _train([*args, "--steps", "4", "--resume"], log, canary=True)
     assert losses[-2:] == pytest.approx(reference_losses[2:], abs=1e-5)
+
+
+# ------------------------------------------------------------------- the MoE layer's parts
+@pytest.mark.parametrize("how", ["device=", "MINITRAIN_DEVICE"])
+def test_moe_layer_is_built_on_its_device(how, monkeypatch):
+    """Experts and router take ``device=`` as torch modules do, else ``get_device()``: every
+    parameter and buffer is born there (``meta`` here: nothing is left on the CPU default),
+    and a copy (``from_local``'s deepcopy of the router) keeps it."""
+    import copy
+
+    from minitrain.moe import MoELayer
+
+    if how == "MINITRAIN_DEVICE":
+        monkeypatch.setenv("MINITRAIN_DEVICE", "meta")
+    layer = MoELayer(8, 16, 4, top_k=2, **({"device": "meta"} if how == "device=" else {}))
+    tensors = [*layer.parameters(), *layer.buffers(), layer.router.aux_loss,
+               copy.deepcopy(layer.router).aux_loss]
+    assert {t.device.type for t in tensors} == {"meta"}
+
+
+# --------------------------------------------------------------------------- the data
+DATA_SCRIPT = """
+import json, torch
+from minitrain.data import MarkovChainData, TextData, get_batch
+d = MarkovChainData(32, 8, seed=3)
+text = TextData.from_bytes(bytes(range(256)) * 4, 8, seed=1)
+out = [get_batch(1, 4, 1, 2, vocab_size=32, seq_len=8), d.get_batch(2, 4, held_out=True),
+       text.get_batch(0, 4), text.get_batch(5, 4, held_out=True)]
+print(json.dumps({"batches": [[t.tolist() for t in xy] for xy in out],
+                  "devices": sorted({str(t.device) for xy in out for t in xy}),
+                  "entropy": d.entropy_rate()}))
+"""
+
+
+@pytest.mark.parametrize("canary", [True, False], ids=["canary", "plain"])
+def test_data_is_generated_on_the_cpu_by_name(canary):
+    """The data (no caller's ``torch.device`` context around it) names "cpu" for every tensor
+    it makes: under the canary the batches are the same numbers as without, on the CPU."""
+    def batches(with_canary):
+        proc = subprocess.run([sys.executable, "-c", DATA_SCRIPT], env=_env(with_canary),
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    got = batches(canary)
+    assert got["devices"] == ["cpu"]
+    if canary:
+        assert got == batches(False)

@@ -25,6 +25,7 @@ from torch.distributed import ProcessGroup
 
 from minitrain.runtime import trace
 from minitrain.runtime.communication_log import COMMUNICATION_LOG
+from minitrain.runtime.rank import get_device
 
 SOURCE = "moe"  # expert parallelism's records in the runtime's communication log
 
@@ -48,14 +49,16 @@ def exchange_counts(send_counts: torch.Tensor, group: ProcessGroup | None = None
 
 
 def check_splits(send_splits: list[int], recv_splits: list[int],
-                 group: ProcessGroup | None = None) -> None:
+                 group: ProcessGroup | None = None, device=None) -> None:
     """Fail on every rank if rank r's send to p differs from what p expects from r.
 
     One all-gather of 2P integers per rank: then every rank sees the whole matrix and
     raises the same error, so none is left waiting in the all-to-all.
     """
     world = dist.get_world_size(group)
-    mine = torch.tensor(list(send_splits) + list(recv_splits), dtype=torch.long)
+    # on ``device`` (the tokens'; this rank's device if not given): NCCL takes no CPU tensor
+    device = get_device() if device is None else device
+    mine = torch.tensor(list(send_splits) + list(recv_splits), dtype=torch.long, device=device)
     table = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(table, mine, group=group)
     bad = [(r, p, int(table[r][p]), int(table[p][world + r]))

@@ -36,8 +36,10 @@ def apply_moe(model: GPT, num_experts: int, top_k: int = 1,
         torch.manual_seed(seed)
     for i, block in enumerate(model.blocks):
         if i % every == every - 1:
+            # on the dense MLP's device (the model's: issue 29), never the CPU by default
+            device = next(block.mlp.parameters()).device
             block.mlp = MoELayer(config.d_model, config.d_ff, num_experts, top_k,
-                                 capacity_factor, **router_kwargs)
+                                 capacity_factor, device=device, **router_kwargs)
             block.mlp.aux_loss_in_backward = True
     return model
 
@@ -53,9 +55,15 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if hasattr(m, "router") and hasattr(m, "experts")]
 
 
+def _zero(model: nn.Module) -> torch.Tensor:
+    """The sums' start, a 0 on the model's device (a CPU scalar beside CUDA losses would
+    move the sum to the CPU: issue 29)."""
+    return torch.zeros((), device=next(model.parameters()).device)
+
+
 def moe_aux_loss(model: nn.Module) -> torch.Tensor:
     """The sum of every MoE layer's auxiliary loss from the last forward."""
-    return sum((m.aux_loss for m in moe_layers(model)), torch.zeros(()))
+    return sum((m.aux_loss for m in moe_layers(model)), _zero(model))
 
 
 def moe_training_loss(model: GPT, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -63,7 +71,7 @@ def moe_training_loss(model: GPT, idx: torch.Tensor, targets: torch.Tensor) -> t
     aux loss in backward adds only the value here, so nothing is counted twice)."""
     lm = model.loss(idx, targets)
     return lm + sum((m.aux_loss.detach() if m.aux_loss_in_backward else m.aux_loss
-                     for m in moe_layers(model)), torch.zeros(()))
+                     for m in moe_layers(model)), _zero(model))
 
 
 def apply_expert_parallel(model: GPT, group: ProcessGroup | None = None) -> GPT:

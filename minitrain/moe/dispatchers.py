@@ -53,7 +53,8 @@ class AllToAllDispatcher:
             received_counts = exchange_counts(counts, self.group).view(P, E_local)
             send_splits = counts.view(P, E_local).sum(dim=1).tolist()
             recv_splits = received_counts.sum(dim=1).tolist()
-            check_splits(send_splits, recv_splits, self.group)
+            # before the call (NCCL hangs on disagreeing splits), on the rows' device
+            check_splits(send_splits, recv_splits, self.group, device=rows.device)
             received = all_to_all(rows, recv_splits, send_splits, self.group, "dispatch")
         with trace.span("expert compute", "compute"):
             # received rows come grouped by source rank, then by local expert: regroup

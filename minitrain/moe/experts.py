@@ -15,17 +15,28 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minitrain.runtime.rank import get_device
+
+
+def factory_kwargs(device=None, dtype=None) -> dict:
+    """``device=``/``dtype=`` for new parameters, as torch modules take them: built where they
+    will live (this rank's device, ``get_device()``, unless told), never on the CPU and moved
+    after — on a GPU the weights are born on it (issue 29)."""
+    return {"device": torch.device(device) if device is not None else get_device(),
+            "dtype": dtype}
+
 
 class Experts(nn.Module):
     """``num_experts`` MLPs d_model → d_ff → d_model with stacked weights."""
 
-    def __init__(self, num_experts: int, d_model: int, d_ff: int):
+    def __init__(self, num_experts: int, d_model: int, d_ff: int, device=None, dtype=None):
         super().__init__()
         self.num_experts, self.d_model, self.d_ff = num_experts, d_model, d_ff
-        self.w_in = nn.Parameter(torch.empty(num_experts, d_model, d_ff))
-        self.b_in = nn.Parameter(torch.zeros(num_experts, d_ff))
-        self.w_out = nn.Parameter(torch.empty(num_experts, d_ff, d_model))
-        self.b_out = nn.Parameter(torch.zeros(num_experts, d_model))
+        kw = factory_kwargs(device, dtype)
+        self.w_in = nn.Parameter(torch.empty(num_experts, d_model, d_ff, **kw))
+        self.b_in = nn.Parameter(torch.zeros(num_experts, d_ff, **kw))
+        self.w_out = nn.Parameter(torch.empty(num_experts, d_ff, d_model, **kw))
+        self.b_out = nn.Parameter(torch.zeros(num_experts, d_model, **kw))
         # nn.Linear's default scale, per expert: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
         nn.init.uniform_(self.w_in, -1 / math.sqrt(d_model), 1 / math.sqrt(d_model))
         nn.init.uniform_(self.w_out, -1 / math.sqrt(d_ff), 1 / math.sqrt(d_ff))

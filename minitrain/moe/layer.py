@@ -34,7 +34,8 @@ class MoELayer(nn.Module):
     ``capacity_factor=None`` drops nothing. ``router``, ``experts``, ``dispatcher`` (keyword
     only): parts to use instead of new ones — ``ExpertParallelMoE.from_local`` builds the
     layer from a local one's router, a share of its experts and an ``AllToAllDispatcher``. Extra keywords go to ``TopKRouter``
-    (``balancing``, ``aux_loss_weight``, ``z_loss_weight``, ``bias_update_rate``).
+    (``balancing``, ``aux_loss_weight``, ``z_loss_weight``, ``bias_update_rate``);
+    ``device``/``dtype`` place new parts as torch modules do (default: ``get_device()``).
     After a forward: ``aux_loss`` (the router's weighted auxiliary losses: the caller adds
     it to the loss) and ``last_routing`` (``router.Routing``: indices, weights, keep, probs,
     load). With ``aux_loss_in_backward = True`` (set by ``apply_moe``) the aux loss instead
@@ -47,12 +48,14 @@ class MoELayer(nn.Module):
 
     def __init__(self, d_model: int, d_ff: int, num_experts: int, top_k: int = 1,
                  capacity_factor: float | None = None, *, router: TopKRouter | None = None,
-                 experts: Experts | None = None, dispatcher=None, **router_kwargs):
+                 experts: Experts | None = None, dispatcher=None, device=None, dtype=None,
+                 **router_kwargs):
         super().__init__()
         self.d_model, self.d_ff, self.num_experts, self.top_k = d_model, d_ff, num_experts, top_k
+        # new parts are built on ``device`` (get_device() unless told: issue 29)
         self.router = router or TopKRouter(d_model, num_experts, top_k, capacity_factor,
-                                           **router_kwargs)
-        self.experts = experts or Experts(num_experts, d_model, d_ff)
+                                           device=device, dtype=dtype, **router_kwargs)
+        self.experts = experts or Experts(num_experts, d_model, d_ff, device=device, dtype=dtype)
         self.dispatcher = dispatcher or LocalDispatcher()
         self.last_routing = None
 

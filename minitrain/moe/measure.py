@@ -23,6 +23,7 @@ from minitrain.moe.apply import apply_moe, moe_layers, moe_training_loss
 from minitrain.moe.expert_parallel import ExpertParallelMoE
 from minitrain.moe.layer import MoELayer
 from minitrain.runtime import trace
+from minitrain.runtime.rank import get_device
 
 SMALL_GPT = dict(vocab_size=64, seq_len=32, n_layer=2, n_head=4, d_model=32)
 
@@ -108,7 +109,7 @@ def routing_table(model: torch.nn.Module, idx: torch.Tensor, world: int, layer: 
         moe.router.capacity_factor = saved
         model.train(was_training)
     return {"counts": counts, "dropped_fraction": dropped / assigned,
-            "imbalance": imbalance(torch.tensor(counts).sum(dim=0)),
+            "imbalance": imbalance(torch.tensor(counts, device="cpu").sum(dim=0)),
             "capacity": moe.last_routing.capacity}
 
 
@@ -122,7 +123,9 @@ def expert_parallel_step(tokens: int = 256, d_model: int = 32, d_ff: int = 64,
     torch.manual_seed(seed)
     local = MoELayer(d_model, d_ff, num_experts, top_k, capacity_factor)
     ep = ExpertParallelMoE.from_local(local)
-    x = torch.randn(tokens, d_model, generator=torch.Generator().manual_seed(seed + 1 + rank))
+    # the tokens drawn on the CPU (the same numbers everywhere), then moved to this rank's device
+    gen = torch.Generator(device="cpu").manual_seed(seed + 1 + rank)
+    x = torch.randn(tokens, d_model, generator=gen, device="cpu").to(get_device())
     x.requires_grad_()
     reset_communication_log()
     trace.reset()

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from minitrain.moe.experts import factory_kwargs
 from minitrain.moe.losses import batch_load_balancing_loss, load_balancing_loss, router_z_loss
 
 BALANCING = ("aux_loss", "bias", "none")
@@ -103,7 +104,7 @@ class TopKRouter(nn.Module):
     def __init__(self, d_model: int, num_experts: int, top_k: int = 1,
                  capacity_factor: float | None = None, balancing: str = "aux_loss",
                  aux_loss_weight: float = 0.01, z_loss_weight: float = 0.0,
-                 bias_update_rate: float = 1e-3):
+                 bias_update_rate: float = 1e-3, device=None, dtype=None):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
@@ -112,12 +113,14 @@ class TopKRouter(nn.Module):
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.balancing, self.aux_loss_weight = balancing, aux_loss_weight
         self.z_loss_weight, self.bias_update_rate = z_loss_weight, bias_update_rate
-        self.gate = nn.Linear(d_model, num_experts, bias=False)
+        # built where it will live (get_device() unless told, as the experts: issue 29)
+        self.gate = nn.Linear(d_model, num_experts, bias=False, **factory_kwargs(device, dtype))
+        here = self.gate.weight.device
         # a buffer, not a parameter: the bias is set by a rule, not by gradient descent
-        self.register_buffer("expert_bias", torch.zeros(num_experts))
-        self.register_buffer("observed_load", torch.zeros(num_experts))
-        self.aux_loss = torch.zeros(())
-        self.balance_loss = torch.zeros((), device=self.gate.weight.device)  # the last forward's N·Σ f·P, unweighted
+        self.register_buffer("expert_bias", torch.zeros(num_experts, device=here))
+        self.register_buffer("observed_load", torch.zeros(num_experts, device=here))
+        self.aux_loss = torch.zeros((), device=here)
+        self.balance_loss = torch.zeros((), device=here)  # the last forward's N·Σ f·P, unweighted
         # set by the capstone (chapter 11): the ranks whose tokens form one batch, over which
         # the load-balancing loss counts f (``losses.batch_load_balancing_loss``)
         self.token_group = None
@@ -125,7 +128,9 @@ class TopKRouter(nn.Module):
     def __getstate__(self):
         # the last forward's aux loss is part of a graph (not copyable): copies start afresh;
         # a process group cannot be copied either (set it again on the copy)
-        return {**self.__dict__, "aux_loss": torch.zeros(()), "token_group": None}
+        # (on the gate's device: a copy made under any default device keeps it, issue 29)
+        return {**self.__dict__, "aux_loss": torch.zeros((), device=self.gate.weight.device),
+                "token_group": None}
 
     def forward(self, x: torch.Tensor) -> Routing:
         # routing in fp32 (Fedus et al. 2021, section 2.4) or wider: fp64 stays fp64

@@ -24,8 +24,8 @@ import argparse
 import json
 import os
 import sys
-import time
 
+import torch
 import torch.distributed as dist
 
 from minitrain.data import TextData
@@ -46,10 +46,10 @@ from minitrain.parallel.run_checkpoint import (
 )
 from minitrain.parallel.schedule import SCHEDULES, lr_at
 from minitrain.parallel.trainer import ParallelGPT
-from minitrain.runtime import run, running_under_torchrun
-from minitrain.step import flops_per_token, mfu
+from minitrain.runtime import device_clock, get_device, run, running_under_torchrun
+from minitrain.step import CPU_PEAK_FLOPS, flops_per_token, mfu, peak_flops  # noqa: F401
 
-CPU_PEAK_FLOPS = 118.4e9  # per rank: this course machine's fp32 FMA peak per core (bench mfu)
+# CPU_PEAK_FLOPS is minitrain.step's, re-exported here (minitrain.parallel exports it)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,8 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="default 64; with --data 256 (bytes), and nothing else is accepted")
     train.add_argument("--lr", type=float, default=1e-3)
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--peak-flops", type=float, default=CPU_PEAK_FLOPS,
-                       help="peak FLOP/s of one device, for the MFU estimate")
+    train.add_argument("--peak-flops", type=float, default=None,
+                       help="peak FLOP/s of one device, for the MFU estimate (default: the "
+                       "device's, minitrain.step.peak_flops: A100/H100/H200 data sheets in the "
+                       "--precision's dtype, one core of the course machine on a CPU)")
     add_schedule_and_data_flags(p)
     prec = p.add_argument_group("precision and clipping")
     prec.add_argument("--precision", default="fp32", help="fp32, bf16 or fp16: the compute "
@@ -231,6 +233,12 @@ def train_rank(args: dict) -> dict:
         job.load_state(state)
     tokens = args["batch_size"] * config.seq_len
     fpt = flops_per_token(config)
+    # MFU against this device's peak in the compute dtype (bf16/fp16 tensor cores, else fp32;
+    # issue 29); an unknown GPU fails here, before training, asking for --peak-flops
+    device = get_device()
+    peak = args.get("peak_flops")
+    if peak is None:
+        peak = peak_flops(device, PRECISIONS[args.get("precision", "fp32")] or torch.float32)
     world = dist.get_world_size()
     bar = None
     if rank == 0 and not args["no_progress"] and sys.stderr.isatty():  # no \r frames in a file
@@ -244,13 +252,14 @@ def train_rank(args: dict) -> dict:
         for step in range(first, args["steps"]):
             lr = lr_at(step, **schedule)  # a function of the step: a resume continues it
             job.set_lr(lr)
-            start = time.perf_counter()
+            # device_clock: a GPU's queued kernels finish before the clock is read
+            start = device_clock(device)
             loss = job.step(step)
-            seconds = time.perf_counter() - start
+            seconds = device_clock(device) - start
             rate = tokens / seconds
             rec = {"step": step, "loss": loss, "lr": lr, "tokens_per_s": round(rate, 1),
                    "seconds": round(seconds, 5),
-                   "mfu": mfu(rate, fpt, args["peak_flops"] * world)}
+                   "mfu": mfu(rate, fpt, peak * world)}
             rec.update(job.last_metrics)  # grad_norm; loss_scale with fp16
             eval_every = args.get("eval_every", 0)
             if eval_every and ((step + 1) % eval_every == 0 or step + 1 == args["steps"]):
