@@ -490,7 +490,7 @@ MUTATIONS = [
     Mutation(
         "MoE: all-to-all split check removed (gloo returns garbage silently)",
         "minitrain/moe/dispatchers.py",
-        "check_splits(send_splits, recv_splits, self.group)",
+        "check_splits(send_splits, recv_splits, self.group, device=rows.device)",
         "pass",
         ["tests/test_moe.py::test_disagreeing_splits_fail_on_every_rank_naming_ranks_and_counts"],
     ),
