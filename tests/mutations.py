@@ -375,7 +375,7 @@ MUTATIONS = [
     Mutation(
         "context parallel: positions not offset per shard",
         "minitrain/context_parallel/model.py",
-        "pos = shard_positions(seq_len, self.rank, self.world_size, self.layout).to(idx.device)",
+        "pos = shard_positions(seq_len, self.rank, self.world_size, self.layout, device=idx.device)",
         "pos = torch.arange(idx.shape[1], device=idx.device)",
         [f"{CP_TESTS}::test_gpt_loss_curve_equals_one_process[2-zigzag-50]"],
     ),
@@ -881,9 +881,9 @@ MUTATIONS = [
     Mutation(
         "issue 28: each data-parallel rank draws its own --data batch, not its rows of the global one",
         "minitrain/data.py",
-        "            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)\n"
+        "            gen = torch.Generator(device=\"cpu\").manual_seed(self.seed * 1_000_003 + step)\n"
         "            starts = torch.randint(",
-        "            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step + rank)\n"
+        "            gen = torch.Generator(device=\"cpu\").manual_seed(self.seed * 1_000_003 + step + rank)\n"
         "            starts = torch.randint(",
         ["tests/test_train_data.py::test_text_batches_are_the_files_bytes",
          "tests/test_train_data.py::test_data_losses_and_val_loss_on_dp2_tp2_equal_one_process"],
