@@ -1,5 +1,6 @@
 """The exercise machinery: stubs and solutions from the markers, edit protection, grading."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -166,7 +167,7 @@ def test_grade_reports_a_deadlock_and_a_wrong_answer_in_plain_words(tmp_path):
     assert out.returncode == 1
     assert "did not finish within the 4 s timeout" in out.stdout, out.stdout
     assert "broadcast from rank 0 with 2 ranks: rank 1 holds [0.0, 0.0" in out.stdout, out.stdout
-    assert "score: 0/13" in out.stdout
+    assert re.search(r"score: 0/\d+\n", out.stdout), out.stdout  # no point for either answer
 
 
 def test_grade_explains_how_to_start_when_there_is_nothing_to_grade(tmp_path):
