@@ -71,8 +71,9 @@ MORE = [
      ("MasterWeightOptimizer",)),
     # chapter 3: checkpointing
     (3, "forward", "runs fn with grad enabled (saves the whole graph)",
-     "        with torch.no_grad():\n            return fn(*args)", "        return fn(*args)",
-     ("CheckpointFunction",)),
+     "        with torch.no_grad():\n            return fn(*args)",
+     "        with torch.enable_grad():\n            return fn(*args)",
+     ("CheckpointFunction.forward saved", "only its two tensor inputs")),
     (3, "forward", "saves no inputs for backward",
      "ctx.save_for_backward(*tensors)", "ctx.save_for_backward()", ("CheckpointFunction",)),
     (3, "backward", "does not restore the RNG state afterwards",
