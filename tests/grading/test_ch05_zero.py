@@ -221,10 +221,20 @@ def _stage3(own_pre_forward=True):
         block.register_forward_pre_hook(
             lambda m, a, i=i: next_launched.append(z.units[i + 1].state)
         )
+    from minitrain.zero.units import UngatheredParameterError
+
     for s in range(STEPS):
         x, y = _batch(s, rank, world)
         z.zero_grad()
-        ((z(x) - y) ** 2).mean().backward()
+        try:
+            ((z(x) - y) ** 2).mean().backward()
+        except UngatheredParameterError as exc:  # name the exercise graded and the case
+            mine, fix = ("_pre_forward", "wait for the block's own gather before it computes"
+                         ) if own_pre_forward else ("_post_forward", "free only the block that ran")
+            raise AssertionError(
+                f"ZeRO-3 rank {rank}, 3 blocks on 2 ranks, step {s}: with your "
+                f"ZeroDataParallel.{mine}, a parameter was not gathered when used ({fix}): "
+                f"{exc}") from None
         z.step()
     return z.full_state_dict(), freed[0], next_launched[: len(z.module.blocks) - 1]
 
@@ -296,6 +306,7 @@ def _given_fsdp_reduce(self, u):
 def _fsdp(own, replicated, model_class=None):
     from minitrain import zero
     from minitrain.fsdp import FullyShardedDataParallel as F
+    from minitrain.zero.units import UngatheredParameterError
 
     given = {
         "_pre_forward": _given_fsdp_pre_forward,
@@ -327,6 +338,12 @@ def _fsdp(own, replicated, model_class=None):
         opt.zero_grad()
         try:
             ((fsdp(x) - y) ** 2).mean().backward()
+        except UngatheredParameterError as exc:  # name the exercise graded and the case
+            raise AssertionError(
+                f"FSDP rank {rank}, 3 blocks on 2 ranks, step {s}: with your "
+                f"FullyShardedDataParallel.{own}, a parameter was not gathered when used "
+                f"(is each unit's gather waited for before it computes, and only units that "
+                f"ran freed?): {exc}") from None
         except (RuntimeError, AttributeError) as exc:
             if model_class is not _TupleToy or isinstance(exc, NotImplementedError):
                 raise
