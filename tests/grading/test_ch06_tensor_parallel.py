@@ -151,7 +151,16 @@ def _linear_case(kind, options, x_shape, shard_dim):
         x = x.chunk(world, shard_dim)[rank]
     x = x.clone().requires_grad_()
     with _counting() as calls:
-        y = layer(x)
+        try:
+            y = layer(x)
+        except NotImplementedError:
+            raise
+        except RuntimeError as exc:  # torch's shape error names neither the layer nor the case
+            raise AssertionError(
+                f"{cls.__name__}.forward {options} on {world} ranks, this rank's input of shape "
+                f"{tuple(x.shape)}, weight shard {tuple(layer.weight.shape)}: "
+                f"{str(exc).splitlines()[0]} — is the input split (or gathered) as the options "
+                f"say before the matmul?") from None
     want = y_full.detach()
     up = upstream
     for d in range(want.dim()):  # this rank's slice of the dense output, if it holds one
