@@ -188,8 +188,9 @@ def _linear_case(kind, options, x_shape, shard_dim):
 def _check_linear(kind, options, x_shape, shard_dim, allowed):
     for rank, result in enumerate(launch(_linear_case, 2, kind, options, x_shape, shard_dim, timeout=60)):
         if result[0] == "shape":
-            raise AssertionError(f"{kind}-parallel {options}: rank {rank}'s output has shape "
-                                 f"{result[1]}, expected {result[2]}")
+            raise AssertionError(
+                f"{kind.capitalize()}ParallelLinear.forward {options} on 2 ranks: rank {rank}'s "
+                f"output has shape {result[1]}, expected {result[2]}")
         _, checks, calls = result
         for what, (err, got, want) in checks.items():
             assert err <= ATOL, (
@@ -197,7 +198,7 @@ def _check_linear(kind, options, x_shape, shard_dim, allowed):
                 f"the dense layer's by {err:.3g}; it starts {_r(got)}, the dense layer's {_r(want)}")
         names = [n for n, _ in calls]
         assert names == allowed, (
-            f"{kind}-parallel forward {options} should call {allowed or 'no collective'}, "
+            f"{kind.capitalize()}ParallelLinear.forward {options} should call {allowed or 'no collective'}, "
             f"it called {names}")
 
 

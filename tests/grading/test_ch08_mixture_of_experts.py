@@ -39,7 +39,7 @@ def test_top_k_routing():
         indices, weights, keep = top_k_routing(probs, k, capacity)
         want_i, want_w, want_k = _reference_routing(probs, k, capacity)
         assert torch.equal(indices, want_i), (
-            f"top-{k}: chose experts {indices.tolist()}, the {k} most probable are {want_i.tolist()}")
+            f"top_k_routing, top-{k}: chose experts {indices.tolist()}, the {k} most probable are {want_i.tolist()}")
         if weights.shape == want_w.shape and not torch.allclose(weights, want_w.float(), atol=1e-6):
             t = int((weights - want_w.float()).abs().amax(-1).argmax())  # the worst token
         else:
@@ -50,7 +50,7 @@ def test_top_k_routing():
             f"{float(weights[t].sum()):.4g}); they should be the chosen probabilities divided by "
             f"their sum, {[round(w, 4) for w in want_w[t].tolist()]} (each row sums to 1)")
         assert torch.equal(keep, want_k), (
-            f"top-{k} with capacity {capacity}: kept {keep.int().tolist()}, expected "
+            f"top_k_routing, top-{k} with capacity {capacity}: kept {keep.int().tolist()}, expected "
             f"{want_k.int().tolist()} — each expert keeps at most {capacity} assignments, every "
             "token's first choice before any second choice, earlier tokens first")
     bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 5.0])
