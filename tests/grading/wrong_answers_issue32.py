@@ -216,7 +216,7 @@ MORE = [
      ("checkpointing='full'", "W must do nothing")),
     (7, "run_action", "always splits the backward",
      "        if state.split_backward:  # the input gradient only", "        if True:  # the input gradient only",
-     ("run_action", "rank")),
+     ("run_action, GPipe p=2 m=3", "only when state.split_backward")),
     # (every action costing 1 whatever the chunk count is no mistake: the idle share does not
     # change when every cost is scaled alike)
     (7, "bubble_fraction", "waits only for its own stage, not for the actions it depends on",
@@ -224,7 +224,8 @@ MORE = [
      ("bubble_fraction of GPipe p=2, m=1: got 0", "expected (p-1)/(m+p-1)")),
     (7, "bubble_fraction", "the GPipe formula for every schedule",
      "    busy = cost * sum(len(stage) for stage in schedule)\n    return 1 - busy / (p * max(free))",
-     "    m = len(schedule[0]) // 2\n    return Fraction(p - 1, m + p - 1)", ("bubble_fraction", "expected")),
+     "    m = len(schedule[0]) // 2\n    return Fraction(p - 1, m + p - 1)",
+     ("bubble_fraction of zero bubble p=2, m=2: got 1/4", "expected")),
     # chapter 8: mixture of experts
     (8, "top_k_routing", "capacity off by one",
      "keep = slot < capacity", "keep = slot <= capacity", ("top_k_routing",)),
