@@ -145,7 +145,7 @@ MORE = [
      ("ZeRO-3 rank 0", "ZeroDataParallel._pre_forward", "was not gathered when used")),
     (5, "ZeroDataParallel._post_forward", "ZeRO-3: registers no re-gather hook for backward",
      "output.register_hook(lambda grad: self._pre_backward(index))", "pass",
-     ("ZeRO-3",)),
+     ("ZeRO-3 rank 0", "ZeroDataParallel._post_forward", "gathered again before its backward")),
     (5, "ZeroDataParallel._post_forward", "ZeRO-3: frees the previous block (off by one)",
      "        self._free(self.units[index])\n        if torch.is_grad_enabled() and isinstance",
      "        self._free(self.units[index - 1])\n        if torch.is_grad_enabled() and isinstance",
@@ -165,7 +165,8 @@ MORE = [
      ("FSDP rank 0", "FullyShardedDataParallel._pre_forward", "was not gathered when used")),
     (5, "FullyShardedDataParallel._launch_reduce_scatter", "reduce-scatters the replicated unit too",
      '        if u.keep_full:\n            out, kind = buf, "all_reduce"',
-     '        if False:\n            out, kind = buf, "all_reduce"', ("FSDP",)),
+     '        if False:\n            out, kind = buf, "all_reduce"',
+     ("FSDP rank 0", "out.bias replicated", "FullyShardedDataParallel._launch_reduce_scatter")),
     (5, "FullyShardedDataParallel._launch_reduce_scatter", "waits at once and never records the result",
      "        self._pending.append((u, out, timed(work), start))", "        work.wait()", ("FSDP",)),
     # chapter 6: tensor parallelism
