@@ -110,16 +110,17 @@ def _best(sizes, world):
 def test_partition_parameters():
     from minitrain.zero import partition_parameters
 
+    got = partition_parameters([4, 3, 3, 2, 2], 2)
+    assert got == [[0, 3, 4], [1, 2]], (
+        f"partition_parameters: sizes [4, 3, 3, 2, 2] on 2 ranks: largest first to the "
+        f"lightest rank gives "
+        f"[[0, 3, 4], [1, 2]], you gave {got}"
+    )
     got = partition_parameters([1, 1, 2], 2)
     assert got == [[2], [0, 1]], (
         f"partition_parameters: sizes [1, 1, 2] on 2 ranks: largest first to the lightest rank "
         f"gives [[2], [0, 1]] (shares of 2 and 2), you gave {got} — in index order the largest "
         f"comes last and lands on a loaded rank")
-    got = partition_parameters([4, 3, 3, 2, 2], 2)
-    assert got == [[0, 3, 4], [1, 2]], (
-        f"sizes [4, 3, 3, 2, 2] on 2 ranks: largest first to the lightest rank gives "
-        f"[[0, 3, 4], [1, 2]], you gave {got}"
-    )
     g = torch.Generator().manual_seed(5)
     for trial in range(12):
         world = 2 + trial % 3
