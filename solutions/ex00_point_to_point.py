@@ -50,7 +50,9 @@ def broadcast(tensor: torch.Tensor, src: int = 0,
     The simplest algorithm: ``src`` sends its tensor to each other rank in turn
     (N-1 sends from one rank: the root's link is the bottleneck — chapter 4 does
     better). Every other rank receives into ``tensor``. ``src`` is a global rank, as in
-    ``dist.broadcast``. Returns ``tensor``.
+    ``dist.broadcast``. Returns ``tensor``. A ``src`` that is not a member of the group
+    raises ``ValueError`` naming it: gloo would otherwise crash the process on a recv from
+    a rank that does not exist.
     """
     ### BEGIN SOLUTION
     # HINT: dist.get_global_rank(group, i) turns a rank of the group into a global rank
@@ -67,4 +69,4 @@ def broadcast(tensor: torch.Tensor, src: int = 0,
     return tensor
     ### END SOLUTION
 
-# minitrain-exercises-hash: 66a7cc94147078c5
+# minitrain-exercises-hash: 462f311a4d947729

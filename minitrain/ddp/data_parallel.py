@@ -271,6 +271,13 @@ class DataParallel(nn.Module):
                     torch.div(p.grad.reshape(-1), self.world_size, out=bucket.view(k))
                 bucket.ready += 1
         self._launch_ready_buckets()
+        if self._next_bucket < len(self.buckets):  # else bucket.wait is None: a bare TypeError
+            stuck = self.buckets[self._next_bucket]
+            raise RuntimeError(
+                f"DataParallel: bucket {stuck.index} never launched: {stuck.ready} of its "
+                f"{len(stuck.params)} parameters were counted ready — _on_grad_ready must count "
+                f"each gradient it puts in place (bucket.ready), so a full bucket launches"
+            )
         for bucket in self.buckets:
             end = bucket.wait()
             trace.record(

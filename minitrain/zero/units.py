@@ -102,12 +102,12 @@ def _check_gathered(who: str, owned: list, module, args) -> None:
         if u.state != "full":
             also = f" (and {', '.join(map(repr, names[1:]))})" if len(names) > 1 else ""
             where = (
-                f"unit {u.name!r} (module {block_name})" if block_name is not None
+                f"its unit {u.name!r} (module {block_name})" if block_name is not None
                 else "the root unit (parameters outside every unit: gathered only during "
                 "the wrapper's forward)"
             )
             raise UngatheredParameterError(
-                f"{who}: parameter {names[0]!r}{also} was used while its {where} was not "
+                f"{who}: parameter {names[0]!r}{also} was used while {where} was not "
                 f"gathered: it holds no data. A unit's parameters are whole only while that unit's own "
                 f"forward runs; call the unit module itself (not its parameters or submodules "
                 f"from elsewhere), or pass units=[...] so that each parameter belongs to a "

@@ -143,12 +143,24 @@ def _broadcast_edge_cases():
 
     rank = dist.get_rank()
     outside = None
+    real = {n: getattr(dist, n) for n in ("send", "recv")}
+
+    def guarded(name):  # gloo kills the process (signal 11) on a peer that does not exist
+        def call(tensor, peer, *args, **kwargs):
+            if not 0 <= peer < dist.get_world_size():
+                raise RuntimeError(f"it called dist.{name} with rank {peer}, which does not exist")
+            return real[name](tensor, peer, *args, **kwargs)
+        return call
+
     try:  # rank 5 is not among the 3
+        dist.send, dist.recv = guarded("send"), guarded("recv")
         broadcast(torch.zeros(2), src=5)
     except ValueError as exc:
         outside = ("ValueError", str(exc))
     except Exception as exc:  # noqa: BLE001 — what a learner's version raised instead
         outside = (type(exc).__name__, str(exc).splitlines()[0][:80] if str(exc) else "")
+    finally:
+        dist.send, dist.recv = real["send"], real["recv"]
     dist.barrier()
     group = dist.new_group([1, 2])  # every rank takes part in creating it
     held = None

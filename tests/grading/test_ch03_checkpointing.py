@@ -44,13 +44,15 @@ def test_forward_returns_fn_output_and_keeps_only_inputs():
     want = module(x, y, 2.0)
     torch.manual_seed(1)
     got = _apply(module, x, y, 2.0)
-    assert isinstance(got, tuple) and len(got) == 2, "forward must return fn's two outputs"
+    assert isinstance(got, tuple) and len(got) == 2, "CheckpointFunction.forward must return fn's two outputs"
     for g, w in zip(got, want):
-        assert torch.equal(g, w), "forward's output differs from calling fn directly"
-    assert got[0].requires_grad, "the output of CheckpointFunction.apply must require grad"
+        assert torch.equal(g, w), (
+            "CheckpointFunction.forward's output differs from calling fn directly")
+    assert got[0].requires_grad, (
+        "CheckpointFunction.forward: the output of CheckpointFunction.apply must require grad")
     saved = saved_activation_bytes(lambda: _apply(module, x, y, 2.0), exclude=[module])
     assert saved == x.nbytes + y.nbytes, (
-        f"forward saved {saved} bytes for backward; it should keep only its two tensor "
+        f"CheckpointFunction.forward saved {saved} bytes for backward; it should keep only its two tensor "
         f"inputs, {x.nbytes + y.nbytes} bytes (is fn running with grad enabled?)"
     )
 
@@ -59,6 +61,7 @@ def _loss_and_grads(use_checkpoint, y_requires_grad):
     module, x, y = _inputs(y_requires_grad)
     torch.manual_seed(42)
     out, s = _apply(module, x, y, 3.0) if use_checkpoint else module(x, y, 3.0)
+    torch.rand(3)  # the caller's stream moves on between forward and backward
     try:
         (out.square().sum() + s.sum()).backward()
     except RuntimeError as exc:
@@ -83,14 +86,31 @@ def test_backward_gives_the_gradients_of_plain_autograd(y_requires_grad):
     got, _ = _loss_and_grads(True, y_requires_grad)
     for name, w in want.items():
         if w is None:
-            assert got[name] is None, f"{name} does not require grad, yet got a gradient"
+            assert got[name] is None, f"CheckpointFunction.backward: {name} does not require grad, yet got a gradient"
             continue
-        assert got[name] is not None, f"no gradient reached {name}"
+        assert got[name] is not None, (
+            f"CheckpointFunction.backward: no gradient reached {name} (re-run fn on leaves "
+            f"that require grad where needs_input_grad says so)")
         assert torch.allclose(got[name], w, atol=1e-6), (
-            f"gradient of {name} differs from the un-checkpointed run by "
+            f"CheckpointFunction.backward: gradient of {name} differs from the "
+            f"un-checkpointed run by "
             f"{(got[name] - w).abs().max().item():.3g}: is the dropout mask the same in "
             "the recomputation (RNG state restored)?"
         )
+
+
+@pytest.mark.exercise("CheckpointFunction.forward", points=1)
+def test_forward_keeps_the_rng_state_for_the_recomputation():
+    # graded with the reference backward: it replays from the state forward saved
+    want, _ = _loss_and_grads(False, True)
+    got, _ = _loss_and_grads(True, True)
+    diff = (got["x"] - want["x"]).abs().max().item() if got["x"] is not None else float("nan")
+    assert diff <= 1e-6, (
+        f"CheckpointFunction.forward: with dropout inside fn and random draws between forward "
+        f"and backward, the gradient of x differs from the un-checkpointed run by {diff:.3g}: "
+        f"the recomputation drew another dropout mask — save the RNG state (get_rng_state) "
+        f"before fn runs when preserve_rng_state is True"
+    )
 
 
 @pytest.mark.exercise("CheckpointFunction.backward", points=2)
@@ -98,8 +118,9 @@ def test_backward_leaves_the_random_stream_as_it_found_it():
     _, want = _loss_and_grads(False, True)
     _, got = _loss_and_grads(True, True)
     assert torch.equal(got, want), (
-        "after backward, torch.rand gives different numbers than without checkpointing: "
-        "put the RNG state back after recomputing"
+        "CheckpointFunction.backward: with random draws between forward and backward, "
+        "torch.rand after backward gives different numbers than without checkpointing: "
+        "put the caller's RNG state back after recomputing (in finally)"
     )
 
 

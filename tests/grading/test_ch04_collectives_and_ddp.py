@@ -117,7 +117,14 @@ def _all_reduce_case(shape, dtype, integer):
     want = x.clone()
     dist.all_reduce(want)
     collectives.reset_bytes_sent()
-    returned = collectives.ring_all_reduce(x)
+    try:
+        returned = collectives.ring_all_reduce(x)
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # e.g. the reference ring_reduce_scatter refusing a wrong chunk
+        raise AssertionError(
+            f"ring_all_reduce on rank {rank} ({dist.get_world_size()} ranks, shape "
+            f"{tuple(shape)}) raised {type(exc).__name__}: {exc}") from None
     return x, want, collectives.bytes_sent(), returned is x
 
 
@@ -159,22 +166,22 @@ def test_assign_buckets():
     four = [torch.empty(1) for _ in range(3)]  # 4 bytes each
     got = assign_buckets(four, 8)
     assert got == [[2, 1], [0]], (
-        f"three 4-byte parameters with an 8-byte cap should give [[2, 1], [0]] (reverse order, "
+        f"assign_buckets: three 4-byte parameters with an 8-byte cap should give [[2, 1], [0]] (reverse order, "
         f"close a bucket once it reaches the cap), got {got}"
     )
     got = assign_buckets(four, 0)
-    assert got == [[2], [1], [0]], f"a cap of 0 should give one bucket per parameter, got {got}"
+    assert got == [[2], [1], [0]], f"assign_buckets: a cap of 0 should give one bucket per parameter, got {got}"
     got = assign_buckets(four, math.inf)
-    assert got == [[2, 1, 0]], f"an infinite cap should give one bucket, got {got}"
+    assert got == [[2, 1, 0]], f"assign_buckets: an infinite cap should give one bucket, got {got}"
     mixed = [torch.empty(10), torch.empty(1), torch.empty(1, dtype=torch.float16), torch.empty(3)]
     got = assign_buckets(mixed, 16)
     assert got == [[3], [2], [1, 0]], (
-        f"sizes 40, 4, 2 (fp16), 12 bytes with a 16-byte cap should give [[3], [2], [1, 0]] — "
+        f"assign_buckets: sizes 40, 4, 2 (fp16), 12 bytes with a 16-byte cap should give [[3], [2], [1, 0]] — "
         f"a dtype change closes the bucket, a bucket may overshoot by its last parameter; got {got}"
     )
     big = [torch.empty(100), torch.empty(1)]
     got = assign_buckets(big, 16)
-    assert got == [[1, 0]], f"a parameter bigger than the cap joins the open bucket; got {got}"
+    assert got == [[1, 0]], f"assign_buckets: a parameter bigger than the cap joins the open bucket; got {got}"
 
 
 def _train(kwargs, steps=4):

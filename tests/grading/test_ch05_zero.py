@@ -2,6 +2,7 @@
 and your stage 3 hooks against one process training with torch's AdamW on the whole batch."""
 
 import itertools
+import re
 
 import pytest
 import torch
@@ -111,9 +112,15 @@ def test_partition_parameters():
 
     got = partition_parameters([4, 3, 3, 2, 2], 2)
     assert got == [[0, 3, 4], [1, 2]], (
-        f"sizes [4, 3, 3, 2, 2] on 2 ranks: largest first to the lightest rank gives "
+        f"partition_parameters: sizes [4, 3, 3, 2, 2] on 2 ranks: largest first to the "
+        f"lightest rank gives "
         f"[[0, 3, 4], [1, 2]], you gave {got}"
     )
+    got = partition_parameters([1, 1, 2], 2)
+    assert got == [[2], [0, 1]], (
+        f"partition_parameters: sizes [1, 1, 2] on 2 ranks: largest first to the lightest rank "
+        f"gives [[2], [0, 1]] (shares of 2 and 2), you gave {got} — in index order the largest "
+        f"comes last and lands on a loaded rank")
     g = torch.Generator().manual_seed(5)
     for trial in range(12):
         world = 2 + trial % 3
@@ -221,10 +228,29 @@ def _stage3(own_pre_forward=True):
         block.register_forward_pre_hook(
             lambda m, a, i=i: next_launched.append(z.units[i + 1].state)
         )
+    from minitrain.zero.units import UngatheredParameterError
+
     for s in range(STEPS):
         x, y = _batch(s, rank, world)
         z.zero_grad()
-        ((z(x) - y) ** 2).mean().backward()
+        mine = "_pre_forward" if own_pre_forward else "_post_forward"
+        try:
+            ((z(x) - y) ** 2).mean().backward()
+        except UngatheredParameterError as exc:  # name the exercise graded and the case
+            mine, fix = ("_pre_forward", "wait for the block's own gather before it computes"
+                         ) if own_pre_forward else ("_post_forward", "free only the block that ran")
+            raise AssertionError(
+                f"ZeRO-3 rank {rank}, 3 blocks on 2 ranks, step {s}: with your "
+                f"ZeroDataParallel.{mine}, a parameter was not gathered when used ({fix}): "
+                f"{exc}") from None
+        except RuntimeError as exc:
+            if isinstance(exc, NotImplementedError):
+                raise
+            raise AssertionError(
+                f"ZeRO-3 rank {rank}, 3 blocks on 2 ranks, step {s}: with your "
+                f"ZeroDataParallel.{mine}, backward failed — is each block gathered again "
+                f"before its backward (a size of 0: it ran on freed parameters)? "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}") from None
         z.step()
     return z.full_state_dict(), freed[0], next_launched[: len(z.module.blocks) - 1]
 
@@ -296,6 +322,7 @@ def _given_fsdp_reduce(self, u):
 def _fsdp(own, replicated, model_class=None):
     from minitrain import zero
     from minitrain.fsdp import FullyShardedDataParallel as F
+    from minitrain.zero.units import UngatheredParameterError
 
     given = {
         "_pre_forward": _given_fsdp_pre_forward,
@@ -311,9 +338,11 @@ def _fsdp(own, replicated, model_class=None):
     fsdp = F(model, replicated_params=[model.out.bias] if replicated else None)
     opt = torch.optim.AdamW(fsdp.parameters(), lr=LR)
     freed, next_state = [], []
+    # the units' states, not the storage: a skipped unit's prefetch holds its gather buffer
+    # while its parameters still have no data
     model.out.register_forward_hook(
         lambda m, a, o: freed.append(
-            [b.fc.weight.untyped_storage().nbytes() == 0 for b in model.blocks]
+            [fsdp.units[i].state == "free" for i in range(len(model.blocks))]
         )
     )
     # registered after FSDP's own hook: runs once _pre_forward is done, as block i computes
@@ -327,18 +356,40 @@ def _fsdp(own, replicated, model_class=None):
         opt.zero_grad()
         try:
             ((fsdp(x) - y) ** 2).mean().backward()
+        except UngatheredParameterError as exc:  # name the exercise graded and the case
+            raise AssertionError(
+                f"FSDP rank {rank}, 3 blocks on 2 ranks, step {s}: with your "
+                f"FullyShardedDataParallel.{own}, a parameter was not gathered when used "
+                f"(is each unit's gather waited for before it computes, and only units that "
+                f"ran freed?): {exc}") from None
         except (RuntimeError, AttributeError) as exc:
-            if model_class is not _TupleToy or isinstance(exc, NotImplementedError):
+            if isinstance(exc, NotImplementedError):
                 raise
+            if model_class is not _TupleToy:
+                raise _named_fsdp_error(exc, rank, s, own, replicated) from None
             raise AssertionError(
                 f"FSDP, 3 blocks returning a tuple (hidden, extra), 2 ranks: _post_forward must "
                 f"hook every tensor of the output that requires grad (tensors_requiring_grad), "
                 f"or backward runs on freed parameters ({type(exc).__name__}: "
                 f"{str(exc).splitlines()[0][:60]})") from None
-        fsdp.finish_gradient_synchronization()
+        try:
+            fsdp.finish_gradient_synchronization()
+        except RuntimeError as exc:
+            if isinstance(exc, NotImplementedError):
+                raise
+            raise _named_fsdp_error(exc, rank, s, own, replicated) from None
         opt.step()
     return (fsdp.full_state_dict(), freed[0], zero.bytes_sent(), fsdp.padded_numel(),
             next_state[: len(model.blocks) - 1])
+
+
+def _named_fsdp_error(exc, rank, step, own, replicated):
+    """torch's words (a size mismatch, gloo's failed check) with the exercise and the case."""
+    case = ", out.bias replicated (all-reduced, not sharded)" if replicated else ""
+    words = re.sub(r"^\[rank\d+\]:\[[^\]]*\]\s*", "", str(exc).splitlines()[0])[:120]
+    return AssertionError(
+        f"FSDP rank {rank}, 3 blocks on 2 ranks{case}, step {step}: with your "
+        f"FullyShardedDataParallel.{own}: {type(exc).__name__}: {words}")
 
 
 def _check_fsdp(own, replicated=False, hint="", model_class=None):
@@ -354,7 +405,7 @@ def _check_fsdp(own, replicated=False, hint="", model_class=None):
         skipped = " (block 1 was skipped after its prefetch)" if model_class else ""
         assert freed == [True, True, True], (
             f"FSDP rank {rank}: when the last layer runs, every block's parameters should be "
-            f"freed (storage of 0 bytes){skipped}; freed per block: {freed}"
+            f"freed (their unit back to state 'free'){skipped}; freed per block: {freed}"
         )
         for name, want in ref.items():
             err = (got[name] - want).abs().max().item()

@@ -151,7 +151,16 @@ def _linear_case(kind, options, x_shape, shard_dim):
         x = x.chunk(world, shard_dim)[rank]
     x = x.clone().requires_grad_()
     with _counting() as calls:
-        y = layer(x)
+        try:
+            y = layer(x)
+        except NotImplementedError:
+            raise
+        except RuntimeError as exc:  # torch's shape error names neither the layer nor the case
+            raise AssertionError(
+                f"{cls.__name__}.forward {options} on {world} ranks, this rank's input of shape "
+                f"{tuple(x.shape)}, weight shard {tuple(layer.weight.shape)}: "
+                f"{str(exc).splitlines()[0]} — is the input split (or gathered) as the options "
+                f"say before the matmul?") from None
     want = y_full.detach()
     up = upstream
     for d in range(want.dim()):  # this rank's slice of the dense output, if it holds one
@@ -179,8 +188,9 @@ def _linear_case(kind, options, x_shape, shard_dim):
 def _check_linear(kind, options, x_shape, shard_dim, allowed):
     for rank, result in enumerate(launch(_linear_case, 2, kind, options, x_shape, shard_dim, timeout=60)):
         if result[0] == "shape":
-            raise AssertionError(f"{kind}-parallel {options}: rank {rank}'s output has shape "
-                                 f"{result[1]}, expected {result[2]}")
+            raise AssertionError(
+                f"{kind.capitalize()}ParallelLinear.forward {options} on 2 ranks: rank {rank}'s "
+                f"output has shape {result[1]}, expected {result[2]}")
         _, checks, calls = result
         for what, (err, got, want) in checks.items():
             assert err <= ATOL, (
@@ -188,7 +198,7 @@ def _check_linear(kind, options, x_shape, shard_dim, allowed):
                 f"the dense layer's by {err:.3g}; it starts {_r(got)}, the dense layer's {_r(want)}")
         names = [n for n, _ in calls]
         assert names == allowed, (
-            f"{kind}-parallel forward {options} should call {allowed or 'no collective'}, "
+            f"{kind.capitalize()}ParallelLinear.forward {options} should call {allowed or 'no collective'}, "
             f"it called {names}")
 
 

@@ -111,9 +111,13 @@ def test_run_action_trains_like_one_process():
     for p, cases in runs.items():
         for rank, rows in enumerate(launch(_step, p, cases, timeout=90)):
             for name, dloss, (dgrad, param) in rows:
-                assert dloss < 1e-6, f"{name}, rank {rank}: the loss differs from one process by {dloss}"
-                assert dgrad < 1e-6, (f"{name}, rank {rank}: the gradient of {param} differs from "
-                                      f"one process by {dgrad} (inf: it was never computed)")
+                assert dloss < 1e-6, (
+                    f"run_action, {name}, rank {rank}: the loss differs from one process by {dloss}")
+                assert dgrad < 1e-6, (
+                    f"run_action, {name}, rank {rank}: the gradient of {param} differs from one "
+                    f"process by {dgrad} (inf: it was never computed — a schedule without W "
+                    f"actions needs B to compute the weight gradients too: split the backward "
+                    f"only when state.split_backward)")
 
 
 # ---------------------------------------------------------------------- bubble fraction
@@ -132,13 +136,13 @@ def test_bubble_fraction_against_the_formulas(monkeypatch):
                 f"bubble_fraction of GPipe p={p}, m={m}: got {got}, expected (p-1)/(m+p-1) = "
                 f"{Fraction(p - 1, m + p - 1)} (the idle share: 1 - busy / (p * makespan))")
     got = check.bubble_fraction(ONE_F_ONE_B_3_3)
-    assert got == Fraction(2, 5), f"1F1B p=3, m=3: got {got}, expected 2/5"
+    assert got == Fraction(2, 5), f"bubble_fraction of 1F1B p=3, m=3: got {got}, expected 2/5"
     got = check.bubble_fraction(INTERLEAVED_2_2_2, num_chunks=2)
-    assert got == Fraction(1, 5), f"interleaved p=2, m=2, v=2 (chunks cost 1/2): got {got}, expected (p-1)/(vm+p-1) = 1/5"
+    assert got == Fraction(1, 5), f"bubble_fraction of interleaved p=2, m=2, v=2 (chunks cost 1/2): got {got}, expected (p-1)/(vm+p-1) = 1/5"
     got = check.bubble_fraction(ZB_2_2)  # F = B = W = 1: makespan 3m + (p-1) = 7, busy 12
-    assert got == Fraction(1, 7), f"zero bubble p=2, m=2: got {got}, expected 1 - 12/(2*7) = 1/7"
+    assert got == Fraction(1, 7), f"bubble_fraction of zero bubble p=2, m=2: got {got}, expected 1 - 12/(2*7) = 1/7"
     # stage 1 idles 1 unit at the start; stage 0 idles while micro-batch 0 goes forward and back
     got = check.bubble_fraction([[(F, 0), (B, 0)], [(F, 0), (B, 0)]])
-    assert got == Fraction(1, 2), f"p=2, m=1: got {got}, expected 1/2"
+    assert got == Fraction(1, 2), f"bubble_fraction of p=2, m=1 (F, B per stage): got {got}, expected 1/2"
     with pytest.raises(ValueError, match="deadlock"):
         check.bubble_fraction([[(F, 0), (B, 0), (F, 1), (B, 1)], [(F, 0), (F, 1), (B, 1), (B, 0)]])

@@ -39,7 +39,7 @@ def test_top_k_routing():
         indices, weights, keep = top_k_routing(probs, k, capacity)
         want_i, want_w, want_k = _reference_routing(probs, k, capacity)
         assert torch.equal(indices, want_i), (
-            f"top-{k}: chose experts {indices.tolist()}, the {k} most probable are {want_i.tolist()}")
+            f"top_k_routing, top-{k}: chose experts {indices.tolist()}, the {k} most probable are {want_i.tolist()}")
         if weights.shape == want_w.shape and not torch.allclose(weights, want_w.float(), atol=1e-6):
             t = int((weights - want_w.float()).abs().amax(-1).argmax())  # the worst token
         else:
@@ -50,17 +50,22 @@ def test_top_k_routing():
             f"{float(weights[t].sum()):.4g}); they should be the chosen probabilities divided by "
             f"their sum, {[round(w, 4) for w in want_w[t].tolist()]} (each row sums to 1)")
         assert torch.equal(keep, want_k), (
-            f"top-{k} with capacity {capacity}: kept {keep.int().tolist()}, expected "
+            f"top_k_routing, top-{k} with capacity {capacity}: kept {keep.int().tolist()}, expected "
             f"{want_k.int().tolist()} — each expert keeps at most {capacity} assignments, every "
             "token's first choice before any second choice, earlier tokens first")
     bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 5.0])
     probs = _probs(8, 5, 1)
     indices, weights, _ = top_k_routing(probs, 2, 100, bias)
     want_i, want_w, _ = _reference_routing(probs, 2, 100, bias)
-    assert torch.equal(indices, want_i), "the selection bias must be added to the scores to choose"
+    assert torch.equal(indices, want_i), (
+        "top_k_routing, top-2 of 5 experts, bias [0, 0, 0, 0, 5]: the selection bias must be "
+        f"added to the scores to choose: chose {indices.tolist()}, expected {want_i.tolist()}")
+    t = int((weights - want_w.float()).abs().amax(-1).argmax()) if weights.shape == want_w.shape else 0
     assert torch.allclose(weights, want_w.float(), atol=1e-6), (
-        "with a selection bias the weights are still the (renormalised) probabilities, "
-        f"expected {want_w.tolist()}, got {weights.tolist()}")
+        f"top_k_routing, top-2 of 5 experts, bias [0, 0, 0, 0, 5]: token {t}'s weights are "
+        f"{[round(w, 4) for w in weights[t].tolist()]}, expected "
+        f"{[round(w, 4) for w in want_w[t].tolist()]} — the bias only chooses the experts; "
+        f"the weights are still the chosen probabilities (without the bias), renormalised")
 
 
 @pytest.mark.exercise("sort_by_expert", points=2)
@@ -100,12 +105,17 @@ def test_unsort():
     original = torch.arange(15.0).view(5, 3)
     permuted = original[order].clone().requires_grad_()
     back = unsort(permuted, order)
+    assert back.requires_grad, (
+        "unsort of 5 rows that require grad returned rows that do not: the result must stay "
+        "differentiable in sorted_rows (write them back with an autograd operation such as "
+        "index_copy, not in place into a detached buffer)")
     assert torch.equal(back, original), (
         f"unsort(rows[order], order) should give the rows back: expected {original.tolist()}, "
         f"got {back.tolist()}")
     back.backward(torch.arange(15.0).view(5, 3))
     assert torch.equal(permuted.grad, original[order]), (
-        "the gradient of unsort is the forward permutation: row i receives row order[i]'s gradient")
+        "unsort: the gradient of unsort is the forward permutation: row i receives row "
+        "order[i]'s gradient")
 
 
 @pytest.mark.exercise("load_balancing_loss", points=3)

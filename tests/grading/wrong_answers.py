@@ -177,7 +177,7 @@ WRONG_ANSWERS = [
       "dk_j = (ds.to(q_i.dtype).transpose(-2, -1) @ q_i).to(acc_dtype)", ("block_backward: dk of one whole tile", "the reference")),
     # chapter 10: context parallelism
     W(10, "merge_attention", "keeps the larger log-sum-exp instead of adding the two",
-      "lse = m + torch.log(total)", "lse = m", ("merge_attention: the merged logsumexp differs", "yours is")),
+      "lse = m + torch.log(total)", "lse = m", ("merge_attention (", "the merged logsumexp differs", "yours is")),
     W(10, "ring_step", "overwrites the partial result instead of merging",
       "outs[i], lses[i] = merge_attention(outs[i], lses[i], out, lse)",
       "outs[i], lses[i] = out, lse", ("ring attention with your ring_step differs", "merge_attention")),
