@@ -1,7 +1,7 @@
 """Benchmark: training-step time of the tensor-parallel GPT against one process and against
 data parallelism, and the bytes tensor parallelism sends against the formula.
 
-    python -m minitrain.bench tp [--quick] [--steps 10]
+    python -m minitrain.bench tp [--quick] [--steps 10] [--peers-only]
 
 Three ways to train the same GPT on the same global batch with AdamW, gloo:
 - dense, one process (rank 0 alone; rank 1 waits at a barrier);
@@ -17,6 +17,12 @@ the loss — counted by ``minitrain.tensor_parallel.mappings`` — next to the s
 What to expect on a 2-core CPU: TP's per-layer all-reduces sit on the critical path and the
 matmuls are too small to gain from halving, so TP is the slowest here; on GPUs within a node
 (NVLink) it is how models too large for one device are trained at all.
+
+Then, side by side (minitrain/bench/tp_peer.py): minitrain's TP against torch's own
+(``torch.distributed.tensor.parallel``'s ``parallelize_module``), without and with sequence
+parallelism, from the same weights on the same batches — both medians, the median of the
+per-step ratios (target issue 33: ≤ 1.0) and the largest difference of the losses and
+parameters. ``--peers-only`` prints that section alone.
 """
 
 from __future__ import annotations
@@ -27,11 +33,13 @@ import torch
 import torch.distributed as dist
 
 from minitrain.bench import bench_parser, step_time_header, step_time_row
+from minitrain.bench.tp_peer import report_peers, run_variants
 from minitrain.runtime import device_clock, get_device, launch, summarize_step_times
 
 DENSE, TP, DP = "dense, 1 process", "TP-2 (tensor_parallel)", "DP-2 (minitrain.ddp)"
 MODEL = dict(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=256)  # 3.3 M parameters
 QUICK_MODEL = dict(vocab_size=128, seq_len=32, n_layer=2, n_head=4, d_model=128)
+PEER_BATCH = 8  # the TP-2 row's global batch: every rank sees all of it
 
 
 def _rank_measure(config, steps, batch):
@@ -115,15 +123,21 @@ def report(result: dict) -> str:
 
 def main(argv=None) -> int:
     parser = bench_parser("tp", __doc__, quick="smaller model, fewer steps", steps=(4, 10))
+    parser.add_argument("--peers-only", action="store_true",
+                        help="only minitrain's TP side by side with torch's (± SP)")
     args = parser.parse_args(argv)
     config = QUICK_MODEL if args.quick else MODEL
     steps = args.steps
     from minitrain.model import GPTConfig, gpt_num_params
 
     n = gpt_num_params(GPTConfig(**config))
-    print(f"GPT {config}: {n / 1e6:.2f} M parameters, AdamW, global batch 8, gloo, "
-          f"median of {steps} steps (each the slowest rank's)\n")
-    print(report(measure(config, steps)))
+    if not args.peers_only:
+        print(f"GPT {config}: {n / 1e6:.2f} M parameters, AdamW, global batch 8, gloo, "
+              f"median of {steps} steps (each the slowest rank's)\n")
+        print(report(measure(config, steps)) + "\n")
+    print(f"minitrain TP vs torch.distributed.tensor.parallel, world 2, GPT {n / 1e6:.2f} M "
+          f"parameters, AdamW, batch {PEER_BATCH}, median of {steps} steps after a warm-up")
+    print(report_peers(run_variants(config, steps, PEER_BATCH)))
     return 0
 
 
