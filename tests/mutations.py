@@ -1316,6 +1316,26 @@ MUTATIONS = [
         "P = torch.zeros(vocab_size, vocab_size, dtype=torch.float64)",
         ["tests/test_device_canary.py::test_data_is_generated_on_the_cpu_by_name[canary]"],
     ),
+    # issue 33: tp bench side by side with torch's parallelize_module
+    Mutation(
+        "issue 33: tp bench's torch plan leaves attention unsharded (right numbers, not the same work)",
+        "minitrain/bench/tp_peer.py",
+        '            f"{b}.attn.q_proj": ColwiseParallel(),  # this rank\'s heads (whole heads: see above)\n'
+        '            f"{b}.attn.k_proj": ColwiseParallel(),\n'
+        '            f"{b}.attn.v_proj": ColwiseParallel(),\n'
+        '            f"{b}.attn.out_proj": RowwiseParallel(output_layouts=seq),\n',
+        "",
+        ["tests/test_bench_tp_peer.py::test_minitrain_tp_and_torch_tp_train_to_the_same_parameters"
+         "[TP]"],
+    ),
+    Mutation(
+        "issue 33: tp bench's torch model from other initial weights",
+        "minitrain/bench/tp_peer.py",
+        "theirs = parallelize_module(copy.deepcopy(dense), mesh,",
+        "theirs = parallelize_module(GPT(GPTConfig(**config)), mesh,",
+        ["tests/test_bench_tp_peer.py::test_minitrain_tp_and_torch_tp_train_to_the_same_parameters"
+         "[TP]"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

@@ -13,11 +13,16 @@ TINY = dict(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
 
 @pytest.fixture(scope="module")
 def results():
-    return tp_peer.run_variants(TINY, steps=2, batch=4)
+    try:
+        return tp_peer.run_variants(TINY, steps=2, batch=4)
+    except Exception as exc:  # each test fails with it (a fixture's error would not count as
+        return exc  # a failure of the tests that use it)
 
 
 @pytest.mark.parametrize("variant", ["TP", "TP + SP"])
 def test_minitrain_tp_and_torch_tp_train_to_the_same_parameters(results, variant):
+    if isinstance(results, Exception):
+        pytest.fail(f"the side-by-side benchmark raised: {results}")
     r = results[variant]
     # AdamW moves every trained parameter by ~lr per step: far above the tolerance
     assert r["moved"] > 1e-3, f"{variant}: the parameters did not train"
@@ -25,6 +30,9 @@ def test_minitrain_tp_and_torch_tp_train_to_the_same_parameters(results, variant
     assert r["max |diff|"] < 1e-5, (
         f"{variant}: minitrain's TP and torch's parallelize_module trained apart: "
         f"{r['worst']} differs by {r['max |diff|']:.2e} (moved {r['moved']:.2e})")
-    assert r["|diff| elsewhere"] < 1e-6
+    assert r["|diff| elsewhere"] < 2e-6
+    held = r["block numel"]
+    assert held["minitrain"] == held["torch"], (
+        f"{variant}: a rank holds {held} parameters of the blocks: not the same work")
     assert r["ratio"] > 0 and r["minitrain ms"] > 0 and r["torch ms"] > 0
     assert r["pairs"] == 2
