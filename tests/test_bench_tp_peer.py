@@ -31,6 +31,7 @@ def test_minitrain_tp_and_torch_tp_train_to_the_same_parameters(results, variant
         f"{variant}: minitrain's TP and torch's parallelize_module trained apart: "
         f"{r['worst']} differs by {r['max |diff|']:.2e} (moved {r['moved']:.2e})")
     assert r["|diff| elsewhere"] < 2e-6
+    assert r["grad |diff|"] < 5e-7, f"{variant}: the first step's gradients differ"
     held = r["block numel"]
     assert held["minitrain"] == held["torch"], (
         f"{variant}: a rank holds {held} parameters of the blocks: not the same work")
