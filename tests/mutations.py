@@ -1316,6 +1316,28 @@ MUTATIONS = [
         "P = torch.zeros(vocab_size, vocab_size, dtype=torch.float64)",
         ["tests/test_device_canary.py::test_data_is_generated_on_the_cpu_by_name[canary]"],
     ),
+    # issue 33: pipeline and DDP side by side with torch (bench pipeline's peers, bench ddp)
+    Mutation(
+        "issue 33: the pipeline's last stage backpropagates the sum over micro-batches",
+        "minitrain/pipeline/executor.py",
+        "out = loss / state.num_microbatches",
+        "out = loss",
+        ["tests/test_bench_pipeline_peer.py"],
+    ),
+    Mutation(
+        "issue 33: the pipeline pairs micro-batches with another micro-batch's targets",
+        "minitrain/pipeline/executor.py",
+        "[t.clone() for t in targets.chunk(m)], m,",
+        "[t.clone() for t in targets.chunk(m)][::-1], m,",
+        ["tests/test_bench_pipeline_peer.py"],
+    ),
+    Mutation(
+        "issue 33: DataParallel's overlapped buckets sum the gradients instead of averaging",
+        DDP,
+        "torch.div(param.grad.reshape(-1), self.world_size, out=bucket.view(k))",
+        "bucket.view(k).copy_(param.grad.reshape(-1))",
+        ["tests/test_bench_ddp_peer.py"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one
