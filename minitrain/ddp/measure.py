@@ -112,8 +112,12 @@ def _rank_measure(variants, config, bucket_mb, steps, batch):
     y = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]), device="cpu").to(device)
     times = {name: [] for name in models}
     step_events = {name: [] for name in models}
+    names = list(models)
     for step in range(steps + 2):  # two warm-up steps
-        for name, model in models.items():
+        # who goes first rotates: no variant always runs right after another's (the caches
+        # and the scheduler's state it leaves), torch DDP included
+        for name in names[step % len(names):] + names[:step % len(names)]:
+            model = models[name]
             dist.barrier()
             trace.reset()
             start = device_clock(device)
