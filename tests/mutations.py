@@ -561,20 +561,10 @@ MUTATIONS = [
     ),
     # issue 26: accumulation dtypes (low precision up to fp32, fp64 stays fp64)
     Mutation(
-        "issue 26: pipeline loss broadcast in the model's dtype into an fp32 buffer",
+        "issue 26: pipeline loss sent in the model's dtype into a float64 buffer",
         "minitrain/pipeline/executor.py",
-        "        ref = next(self.parameters())  # every stage holds at least one block\n"
-        "        dtype, last = torch.promote_types(ref.dtype, torch.float32), self.num_stages - 1\n"
-        "        loss = torch.zeros((), dtype=torch.float64, device=ref.device)\n"
-        "        if self.stage == last:\n"
-        "            loss = torch.stack(state.losses).to(dtype).mean().double()  # exact: fp32 or fp64\n"
-        "        if self.num_stages > 1:  # every stage returns the loss\n"
-        "            dist.broadcast(loss, self._rank_of(last), self.group)\n"
-        "        loss = loss.to(dtype)\n",
-        "        last = self.num_stages - 1\n"
-        "        loss = torch.stack(state.losses).mean() if self.stage == last else torch.zeros(())\n"
-        "        if self.num_stages > 1:  # every stage returns the loss\n"
-        "            dist.broadcast(loss, self._rank_of(last), self.group)\n",
+        "            loss = torch.stack(state.losses).to(dtype).mean().double()  # exact: fp32 or fp64\n",
+        "            loss = torch.stack(state.losses).mean()\n",
         ["tests/test_wide_dtypes.py::test_pipeline_returns_the_same_loss_on_every_stage_in_any_dtype"],
     ),
     Mutation(
@@ -1335,6 +1325,34 @@ MUTATIONS = [
         "theirs = parallelize_module(GPT(GPTConfig(**config)), mesh,",
         ["tests/test_bench_tp_peer.py::test_minitrain_tp_and_torch_tp_train_to_the_same_parameters"
          "[TP]"],
+    ),
+    Mutation(
+        "issue 33: the pipeline's last stage backpropagates the sum over micro-batches",
+        "minitrain/pipeline/executor.py",
+        "out = loss / state.num_microbatches",
+        "out = loss",
+        ["tests/test_bench_pipeline_peer.py"],
+    ),
+    Mutation(
+        "issue 33: the pipeline pairs micro-batches with another micro-batch's targets",
+        "minitrain/pipeline/executor.py",
+        "[t.clone() for t in targets.chunk(m)], m,",
+        "[t.clone() for t in targets.chunk(m)][::-1], m,",
+        ["tests/test_bench_pipeline_peer.py"],
+    ),
+    Mutation(
+        "issue 33: the pipeline's loss broadcast after the step again (a wake-up on the critical path)",
+        "minitrain/pipeline/executor.py",
+        'by_tag = self.num_stages > 1 and ref.device.type == "cpu"',
+        "by_tag = False",
+        ["tests/test_train.py::test_collectives_per_group_match_the_formulas[pp2-microbatches4]"],
+    ),
+    Mutation(
+        "issue 33: DataParallel's overlapped buckets sum the gradients instead of averaging",
+        DDP,
+        "torch.div(param.grad.reshape(-1), self.world_size, out=bucket.view(k))",
+        "bucket.view(k).copy_(param.grad.reshape(-1))",
+        ["tests/test_bench_ddp_peer.py"],
     ),
 ]
 

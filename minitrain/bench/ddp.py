@@ -4,10 +4,14 @@
 
 Trains the course's GPT with every variant of ``minitrain.ddp.VARIANTS``, the bucketed
 one also on the ring all-reduce, and torch's ``DistributedDataParallel`` with the same
-bucket size (gloo, world 2). The variants take turns step by step, so a slow moment of
-the machine hits them all alike; each step's time is the slowest rank's; medians are
-printed with their ratio to torch DDP, and the share of communication time hidden
-behind backward. Target (chapter 4): bucketed ≤ 1.15× torch DDP's step time.
+bucket size (gloo, world 2), all from the same initial weights on the same batches. The
+variants take turns step by step, so a slow moment of the machine hits them all alike;
+each step's time is the slowest rank's. Printed per variant: the median step time, its
+ratio to torch DDP's median, the median of the per-step ratios (each step against torch
+DDP's step of the same round: the number to quote), the share of communication time hidden
+behind backward, and the largest difference of its parameters from torch DDP's after the
+last step next to how far they moved. Target (issue 33): bucketed, overlapped ≤ 1.05×
+torch DDP (the median of the per-step ratios).
 The measuring itself is minitrain.ddp.measure's, which notebook 04 and its widget call.
 """
 
@@ -36,11 +40,18 @@ def all_variants() -> dict:
     return variants
 
 
+TARGET = 1.05  # bucketed, overlapped / torch DDP, median of the per-step ratios (issue 33)
+
+
 def report(result: dict) -> str:
+    """The table: one row per variant; the last line says whether the target is met.
+    ``result``: ``measure``'s (older results without per-step ratios or differences print
+    blanks there)."""
     base = result["step_time"][TORCH_DDP]
+    ratios, diffs = result.get("step_ratio", {}), result.get("max_diff", {})
     lines = [
-        f"{step_time_header(30, TORCH_DDP, spread=False)} {'buckets':>7} "
-        f"{'comm hidden: median (quartiles)':>32}"
+        f"{step_time_header(30, TORCH_DDP, spread=False)} {'per step':>8} {'buckets':>7} "
+        f"{'comm hidden: median (quartiles)':>32} {'max |diff|':>10} {'moved':>8}"
     ]
     for name, t in result["step_time"].items():
         buckets = result["buckets"].get(name, "")
@@ -55,11 +66,17 @@ def report(result: dict) -> str:
                 f"{100 * st['median']:3.0f} % ({100 * st['q1']:3.0f}-{100 * st['q3']:3.0f} %, "
                 f"{st['steps']} steps)"
             )
-        lines.append(f"{step_time_row(name, t, base, 30, TORCH_DDP)} {buckets!s:>7} {hidden:>32}")
-    ratio = result["step_time"]["bucketed, overlapped"] / base
+        per_step = f"{ratios[name]:7.2f}x" if name in ratios else ""
+        diff = f"{diffs[name]:10.1e}" if name in diffs else ""
+        moved = f"{result['moved'][name]:8.1e}" if name in result.get("moved", {}) else ""
+        lines.append(f"{step_time_row(name, t, base, 30, TORCH_DDP)} {per_step:>8} {buckets!s:>7} "
+                     f"{hidden:>32} {diff:>10} {moved:>8}")
+    key = "bucketed, overlapped"
+    ratio = ratios.get(key, result["step_time"][key] / base)
+    how = "median of the per-step ratios" if key in ratios else "ratio of the medians"
     lines.append(
-        f"target bucketed <= 1.15x torch DDP: {'met' if ratio <= 1.15 else 'NOT met'} "
-        f"({ratio:.2f}x)"
+        f"target bucketed, overlapped <= {TARGET}x torch DDP: "
+        f"{'met' if ratio <= TARGET else 'NOT met'} ({ratio:.2f}x, {how})"
     )
     return "\n".join(lines)
 

@@ -1,15 +1,20 @@
 """Benchmark: step time and measured bubble of each pipeline schedule, next to the formula.
 
-    python -m minitrain.bench pipeline [--quick] [--repeats 5]
+    python -m minitrain.bench pipeline [--quick] [--repeats 5] [--pairs 10] [--peers-only]
 
-Three measurements, one launch each (minitrain.pipeline.measure.run_pipelines):
+Four measurements, one launch each (the first three: minitrain.pipeline.measure.run_pipelines):
 1. the course's GPT, real compute, p = 2 ranks: step time (median of the repeats) and the
    bubble measured from the trace against the unit-cost formula. On this 2-core machine the
    two ranks share the cores with everything else, so expect only rough agreement;
 2. a **calibrated-sleep stage** (no model: each stage action sleeps ``unit``), p = 2: the
    timeline depends on the schedule alone, and the bubble must be within 10 % of the formula;
 3. peak activation bytes per stage, GPT at p = 4, m = 8: measured (autograd's saved tensors)
-   against the in-flight formula (the stage's action order times each chunk's bytes).
+   against the in-flight formula (the stage's action order times each chunk's bytes);
+4. **peers side by side** (``--peers-only``: this section alone): GPipe and 1F1B against
+   ``torch.distributed.pipelining``'s ``ScheduleGPipe`` / ``Schedule1F1B``, the GPT of
+   section 1 (``--quick``: a smaller one), p = 2, m = 4 and 8: both medians, the median of the per-step ratios, the largest
+   difference of the losses and of the parameters (minitrain.bench.pipeline_peer). Target
+   (issue 33): ratio <= 1.05.
 Formulas: (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al. 2019; Narayanan et al. 2021),
 (p-1)/(v*m+p-1) interleaved, ZB-H1's (p-1)(T_F+T_B-T_W) of idle time (Qi et al. 2024).
 """
@@ -17,8 +22,12 @@ Formulas: (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al. 2019; Narayanan et al. 
 from __future__ import annotations
 
 from minitrain.bench import bench_parser
+from minitrain.bench.pipeline_peer import report as peer_report
+from minitrain.bench.pipeline_peer import run_peers
 from minitrain.pipeline.measure import run_pipelines
 
+CONFIG = dict(vocab_size=128, seq_len=64, n_layer=4, n_head=4, d_model=128)
+QUICK = dict(vocab_size=64, seq_len=32, n_layer=2, n_head=2, d_model=64)
 CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zero_bubble", 1)]
 
 
@@ -29,12 +38,22 @@ def _label(name, v):
 def main(argv=None) -> int:
     parser = bench_parser("pipeline", __doc__, quick="smaller sizes, fewer repeats")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--pairs", type=int, default=None,
+                        help="measured steps of each peer pair (default 8 with --quick, else 10)")
+    parser.add_argument("--peers-only", action="store_true",
+                        help="only section 4: minitrain against torch.distributed.pipelining")
     args = parser.parse_args(argv)
     repeats = 2 if args.quick else args.repeats
+    pairs = args.pairs or (8 if args.quick else 10)
+    if pairs < 1:
+        parser.error(f"--pairs must be at least 1, got {pairs}")
     unit = 0.05 if args.quick else 0.1
 
     m = 4
-    config = dict(vocab_size=128, seq_len=64, n_layer=4, n_head=4, d_model=128)
+    config, peer_config = CONFIG, QUICK if args.quick else CONFIG
+    if args.peers_only:
+        _peers(peer_config, pairs)
+        return 0
     real = run_pipelines("gpt", 2, m, CASES, batch=4 * m, config=config, repeats=repeats, timeout=300)
     print(f"1. the course's GPT, real compute, p = 2, m = {m} (median of {repeats} steps)")
     print(f"{'schedule':<18}{'step ms':>9}{'bubble':>9}{'formula':>9}")
@@ -54,9 +73,18 @@ def main(argv=None) -> int:
                         timeout=300)
     print("\n3. peak activation bytes per stage, GPT, p = 4, m = 8: measured / in-flight formula")
     for key, e in mem.items():
-        pairs = ", ".join(f"{a}/{b}" for a, b in zip(e["peak_bytes"], e["predicted_peak_bytes"]))
-        print(f"{_label(*key):<18}in flight {e['simulation'].peak_in_flight}: {pairs}")
+        shown = ", ".join(f"{a}/{b}" for a, b in zip(e["peak_bytes"], e["predicted_peak_bytes"]))
+        print(f"{_label(*key):<18}in flight {e['simulation'].peak_in_flight}: {shown}")
+    print()
+    _peers(peer_config, pairs)
     return 0
+
+
+def _peers(config: dict, pairs: int) -> None:
+    results = run_peers(config, pairs=pairs)
+    print(f"4. minitrain against torch.distributed.pipelining, GPT {config}, p = 2, SGD, "
+          f"4 sequences per micro-batch, {pairs} measured steps each")
+    print(peer_report(results, pairs))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from minitrain.runtime import (
     summarize_step_times,
     trace,
 )
+from minitrain.runtime.timing import slowest_rank_times
 
 
 def hidden_communication_share(events: list[trace.Event]) -> float:
@@ -102,6 +103,8 @@ def _rank_measure(variants, config, bucket_mb, steps, batch):
 
     torch.manual_seed(1 + dist.get_rank())
     models = {name: _build(name, kw, config, bucket_mb) for name, kw in variants.items()}
+    first = next(iter(models.values())).module  # every variant starts from these weights
+    initial = {k: q.detach().clone() for k, q in first.named_parameters()}
     opts = {name: torch.optim.SGD(m.parameters(), lr=1e-3) for name, m in models.items()}
     device = get_device()
     # data on the CPU from the CPU generator (the same numbers on every device), then moved
@@ -109,8 +112,12 @@ def _rank_measure(variants, config, bucket_mb, steps, batch):
     y = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]), device="cpu").to(device)
     times = {name: [] for name in models}
     step_events = {name: [] for name in models}
+    names = list(models)
     for step in range(steps + 2):  # two warm-up steps
-        for name, model in models.items():
+        # who goes first rotates: no variant always runs right after another's (the caches
+        # and the scheduler's state it leaves), torch DDP included
+        for name in names[step % len(names):] + names[:step % len(names)]:
+            model = models[name]
             dist.barrier()
             trace.reset()
             start = device_clock(device)
@@ -129,7 +136,23 @@ def _rank_measure(variants, config, bucket_mb, steps, batch):
                 times[name].append(elapsed)
                 step_events[name].append(trace.events())
     n_buckets = {name: len(m.buckets) for name, m in models.items() if name != TORCH_DDP}
-    return {"times": times, "events": step_events, "buckets": n_buckets}
+    return {"times": times, "events": step_events, "buckets": n_buckets,
+            **_parameter_differences(models, initial)}
+
+
+def _parameter_differences(models: dict, initial: dict) -> dict:
+    """This rank's {"max_diff": {name: largest |parameter - torch DDP's|} (when torch DDP ran),
+    "moved": {name: largest |parameter - its initial value|}}: the variants started from the
+    same weights and took the same batches, so they must end where torch DDP ends."""
+    final = {name: dict(m.module.named_parameters()) for name, m in models.items()}
+    reference = final.get(TORCH_DDP)
+    diffs, moved = {}, {}
+    for name, params in final.items():
+        moved[name] = max((q.detach() - initial[k]).abs().max().item() for k, q in params.items())
+        if reference is not None and name != TORCH_DDP:
+            diffs[name] = max((q.detach() - reference[k].detach()).abs().max().item()
+                              for k, q in params.items())
+    return {"max_diff": diffs, "moved": moved}
 
 
 def measure(
@@ -143,7 +166,11 @@ def measure(
     """Run the variants side by side on ``world`` ranks.
 
     Returns {"step_time": {name: median over steps of the slowest rank's time}, "spread":
-    {name: its first and third quartiles},
+    {name: its first and third quartiles}, "step_ratio": {name: median over steps of the
+    step's time / torch DDP's in the same step} (when torch DDP runs: the pairs' ratio, which
+    a slow moment of the machine moves less than the ratio of the medians), "max_diff":
+    {name: largest |parameter - torch DDP's| after the last step, over the ranks} (when torch
+    DDP runs), "moved": {name: largest |parameter - initial value|},
     "traces": {name: [events of rank r in its last step]}, "step_traces": {name: [[events of
     rank r in step i] for each step i]}, "hidden_shares": {name: [hidden share of step i]}
     (DataParallel variants only), "buckets": {name: count}}.
@@ -152,6 +179,12 @@ def measure(
     """
     res = launch(_rank_measure, world, variants, config, bucket_mb, steps, batch, timeout=600)
     summary = summarize_step_times([r["times"] for r in res])
+    if TORCH_DDP in variants:
+        slowest = {name: slowest_rank_times([r["times"][name] for r in res]) for name in variants}
+        summary["step_ratio"] = {
+            name: statistics.median([a / b for a, b in zip(t, slowest[TORCH_DDP], strict=True)])
+            for name, t in slowest.items()
+        }
     step_traces = {
         name: [[r["events"][name][i] for r in res] for i in range(steps)] for name in variants
     }
@@ -165,4 +198,6 @@ def measure(
         "step_traces": step_traces,
         "hidden_shares": shares,
         "buckets": res[0]["buckets"],
+        "max_diff": {name: max(r["max_diff"][name] for r in res) for name in res[0]["max_diff"]},
+        "moved": {name: max(r["moved"][name] for r in res) for name in variants},
     }
