@@ -1341,13 +1341,6 @@ MUTATIONS = [
         ["tests/test_bench_pipeline_peer.py"],
     ),
     Mutation(
-        "issue 33: the pipeline's loss broadcast after the step again (a wake-up on the critical path)",
-        "minitrain/pipeline/executor.py",
-        'by_tag = self.num_stages > 1 and ref.device.type == "cpu"',
-        "by_tag = False",
-        ["tests/test_train.py::test_collectives_per_group_match_the_formulas[pp2-microbatches4]"],
-    ),
-    Mutation(
         "issue 33: DataParallel's overlapped buckets sum the gradients instead of averaging",
         DDP,
         "torch.div(param.grad.reshape(-1), self.world_size, out=bucket.view(k))",

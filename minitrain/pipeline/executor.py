@@ -239,27 +239,27 @@ class PipelineStage(nn.Module):
         ref = next(self.parameters())  # every stage holds at least one block
         dtype, last = torch.promote_types(ref.dtype, torch.float32), self.num_stages - 1
         loss = torch.zeros((), dtype=torch.float64, device=ref.device)
-        # CPU tensors go through gloo, which matches messages by tag: the other stages post
-        # the loss's receive now, so the last stage's send leaves as soon as it has the loss.
-        # A broadcast after the step made the first stage, last to finish, wait for the idle
-        # last stage to wake up and answer (GPipe, m = 4: 2-5 % of the step on a loaded 2-core
-        # machine, measured). NCCL ignores tags and pairs messages in posting order: on a GPU
-        # the broadcast after the step stays.
-        by_tag = self.num_stages > 1 and ref.device.type == "cpu"
+        # The last stage sends the loss to every other stage. On the CPU (gloo, which matches
+        # messages by tag) the others post its receive now, so the send leaves the moment the
+        # loss exists: a broadcast after the step made the first stage, last to finish, wait
+        # for the idle last stage to wake up and answer (GPipe, m = 4: 2-5 % of the step on a
+        # loaded 2-core machine, measured). NCCL pairs messages in posting order, ignoring
+        # tags: there the receive is posted after the step's last activation or gradient.
+        early = self.num_stages > 1 and ref.device.type == "cpu"
         loss_recv = (dist.irecv(loss, self._rank_of(last), self.group, LOSS_TAG)
-                     if by_tag and self.stage != last else None)
+                     if early and self.stage != last else None)
         for action in schedule[self.stage]:
             run_action(self, action, state)
         if self.stage == last:
             loss = torch.stack(state.losses).to(dtype).mean().double()  # exact: fp32 or fp64
-            for s in range(last if by_tag else 0):  # every stage returns the loss
+            for s in range(last):  # every stage returns the loss
                 state.sends.append((dist.isend(loss, self._rank_of(s), self.group, LOSS_TAG), loss))
         for work, _ in state.sends:
             work.wait()
+        if self.stage != last and loss_recv is None:
+            loss_recv = dist.irecv(loss, self._rank_of(last), self.group, LOSS_TAG)
         if loss_recv is not None:
             loss_recv.wait()
-        elif self.num_stages > 1 and not by_tag:
-            dist.broadcast(loss, self._rank_of(last), self.group)
         loss = loss.to(dtype)
         if dp_group is not None:
             average_gradients(self.parameters(), dp_group)
