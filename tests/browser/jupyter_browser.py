@@ -186,6 +186,11 @@ _OUTPUTS = """() => window.__minitrainPanel.content.widgets.map((c, i) => {
 })""".replace("MIME", repr(WIDGET_MIME))
 
 
+# every code cell's outputs, as nbformat JSON (compared with the committed ones: outputs.py)
+_CODE_OUTPUTS = """() => window.__minitrainPanel.content.widgets
+  .filter(c => c.model.type === 'code').map(c => c.model.outputs.toJSON())"""
+
+
 _DESCRIBE = """e => {
   const box = e.closest('.widget-inline-hbox, .widget-checkbox, .widget-button, .widget-toggle-button') || e;
   const kinds = ['dropdown', 'hslider', 'toggle-buttons', 'checkbox', 'text', 'toggle-button',
@@ -237,6 +242,10 @@ class NotebookPage:
 
     def cells(self) -> list[dict]:
         return [c for c in self.page.evaluate(_OUTPUTS) if c is not None]
+
+    def code_outputs(self) -> list[list[dict]]:
+        """Every code cell's outputs as the kernel left them (before any widget is moved)."""
+        return self.page.evaluate(_CODE_OUTPUTS)
 
     def widget_outputs(self):
         # a widget view's output carries no mime type (a renderer's does); top level only

@@ -1,5 +1,6 @@
 """Every notebook, as a person meets it in JupyterLab: Run All in headless Chromium, no cell
-shows an error, every widget the kernel displays is rendered, and moving each of its controls
+shows an error, every output nbval compares equals the committed one (at this pass's thread
+count: notebook_outputs.py), every widget the kernel displays is rendered, and moving each of its controls
 changes what it shows. Notebooks are found (notebooks/*.ipynb), not listed, so a new chapter is
 covered when it lands. Screenshots of each widget before and after: browser-screenshots/."""
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from jupyter_browser import ROOT, WIDGET_MIME, NotebookPage
+from notebook_outputs import differing_outputs
 
 # MINITRAIN_BROWSER_NOTEBOOKS: comma-separated name prefixes (`make browser BROWSER_NOTEBOOKS=05_`
 # runs one notebook); empty, as in make test: every notebook
@@ -38,6 +40,8 @@ def test_notebook_runs_and_every_widget_responds(path, lab, browser, shots, reco
         page.open()
         page.run_all(RUN_TIMEOUT)
         ran = time.perf_counter() - t0
+        # nbval's comparison, at this pass's thread count (make browser: 2; notebook_outputs.py)
+        differing = differing_outputs(path, page.code_outputs())
         report = page.check(settle=SETTLE, shots=shots)
     finally:
         page.close()
@@ -47,6 +51,9 @@ def test_notebook_runs_and_every_widget_responds(path, lab, browser, shots, reco
         controls=report.controls, screenshots=report.screenshots,
     ))  # fmt: skip
     assert not report.errors, f"{path.name}: " + "; ".join(report.errors)
+    threads = os.environ.get("OMP_NUM_THREADS", "1")
+    assert not differing, (
+        f"{path.name}, run with OMP_NUM_THREADS={threads}: " + "; ".join(differing))
     assert report.widgets >= max(1, committed_widgets(path)), (
         f"{path.name}: the committed notebook displays {committed_widgets(path)} widget(s), "
         f"running it in JupyterLab displayed {report.widgets}"
