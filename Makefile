@@ -28,7 +28,12 @@ lab: $(READY)
 	$(BIN)/jupyter lab --notebook-dir=$(NOTEBOOKS) --ServerApp.ip=127.0.0.1 \
 		$(if $(filter 0,$(shell id -u)),--allow-root)
 
-test: lint unit grade-verify nbval browser
+# After lint, two lanes at once (tests/run_checks.py: a line per step as it ends, its log in
+# test-logs/, the times at the end): the unit tests | the graded tests, nbval, the browser.
+# Each step is a target of its own here (`make unit`, `make nbval`, ...).
+TEST_LANES ?= "unit" "grade-verify nbval browser"
+test: lint
+	$(BIN)/python tests/run_checks.py $(TEST_LANES)
 	@echo "make test: every check passed"
 
 # the same checks on a multi-GPU machine (.github/workflows/gpu.yml runs it), after tests/gpu/:
