@@ -1347,6 +1347,22 @@ MUTATIONS = [
         "bucket.view(k).copy_(param.grad.reshape(-1))",
         ["tests/test_bench_ddp_peer.py"],
     ),
+    # issue 33: make test's browser pass checks outputs at two threads (nbval's second pass)
+    Mutation(
+        "issue 33: the browser pass's output check compares nothing",
+        "tests/browser/notebook_outputs.py",
+        "        if want_fields != got_fields:\n",
+        "        if False:\n",
+        ["tests/browser/test_notebook_outputs.py::test_a_different_number_is_reported_naming_the_cell"],
+    ),
+    Mutation(
+        "issue 33: the browser pass's output check ignores nbval's sanitizing",
+        "tests/browser/notebook_outputs.py",
+        "                    fields[field].append(_sanitize(v, patterns))\n",
+        "                    fields[field].append(v)\n",
+        ["tests/browser/test_notebook_outputs.py::"
+         "test_markers_split_streams_sanitized_text_and_images_are_not_reported"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one
