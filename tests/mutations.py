@@ -1363,6 +1363,20 @@ MUTATIONS = [
         ["tests/browser/test_notebook_outputs.py::"
          "test_markers_split_streams_sanitized_text_and_images_are_not_reported"],
     ),
+    Mutation(
+        "issue 33: the forkserver does not preload torch._dynamo (every rank imports it)",
+        "minitrain/runtime/launch.py",
+        '_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickle",\n',
+        '_PRELOAD = ["torch", "torch.distributed", "cloudpickle",\n',
+        ["tests/test_launch.py::test_ranks_start_with_torch_dynamo_loaded_and_import_techniques_afresh"],
+    ),
+    Mutation(
+        "issue 33: the forkserver preloads a technique (a learner's edit would not run)",
+        "minitrain/runtime/launch.py",
+        '            "minitrain.runtime.launch", "minitrain.runtime.rank"]\n',
+        '            "minitrain.runtime.launch", "minitrain.runtime.rank", "minitrain.ddp"]\n',
+        ["tests/test_launch.py::test_ranks_start_with_torch_dynamo_loaded_and_import_techniques_afresh"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

@@ -34,6 +34,22 @@ def _rank_processes():
     ]
 
 
+def _what_a_rank_starts_with():
+    techniques = sorted(m for m in sys.modules if m.startswith("minitrain.")
+                        and not m.startswith(("minitrain.runtime", "minitrain.course")))
+    return "torch._dynamo" in sys.modules, techniques
+
+
+def test_ranks_start_with_torch_dynamo_loaded_and_import_techniques_afresh():
+    """Every torch optimizer imports torch._dynamo on first use (1.3 CPU-seconds, ~800
+    modules): the forkserver loads it once, so a rank does not (issue 33: most of a small
+    launch's cost). Technique modules are not preloaded: a learner's edited file must be the
+    one a rank runs."""
+    for dynamo_loaded, techniques in launch(_what_a_rank_starts_with, 2):
+        assert dynamo_loaded
+        assert techniques == []
+
+
 def test_returns_values_in_rank_order_and_matches_torch_all_reduce():
     out = launch(_rank_and_sum, 3, 10, scale=2)
     assert list(out) == [(10, 3, 6.0), (11, 3, 6.0), (12, 3, 6.0)]

@@ -66,7 +66,13 @@ from minitrain.runtime.stopping import (  # noqa: F401 — Interrupted is part o
     stop_forkserver,
 )
 
-_PRELOAD = ["torch", "torch.distributed", "cloudpickle", "minitrain.runtime.launch", "minitrain.runtime.rank"]
+# Imported once by the forkserver, so a rank (a fork of it) starts with them loaded. Only
+# modules no learner edits: a rank imports minitrain's techniques afresh, so a changed
+# exercise file is the one that runs. torch._dynamo is here because every torch optimizer's
+# __init__ imports it on first use (torch._compile._disable_dynamo): 1.3 CPU-seconds and
+# ~800 modules (sympy, triton) per rank otherwise, most of a small test's cost (issue 33).
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "cloudpickle",
+            "minitrain.runtime.launch", "minitrain.runtime.rank"]
 
 
 class RankResults(list):
