@@ -986,12 +986,13 @@ MUTATIONS = [
         "own.copy_(got)",
         ["tests/test_allreduce_auto.py::test_pipelined_ring_and_auto_equal_gloo"],
     ),
-    Mutation(
+    Mutation(  # the time is agreed in runtime.slowest_rank_seconds (review h34a moved it there)
         "auto: each rank fits alpha and beta to its own times (ranks may pick different algorithms)",
-        "minitrain/collectives/auto.py",
+        "minitrain/runtime/timing.py",
         "    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)\n",
         "",
-        ["tests/test_allreduce_auto.py::test_pipelined_ring_and_auto_equal_gloo"],
+        ["tests/test_allreduce_auto.py::test_pipelined_ring_and_auto_equal_gloo",
+         "tests/test_timing.py"],
     ),
     Mutation(
         "auto: the model's most expensive algorithm is chosen",
@@ -1362,6 +1363,14 @@ MUTATIONS = [
         "                    fields[field].append(v)\n",
         ["tests/browser/test_notebook_outputs.py::"
          "test_markers_split_streams_sanitized_text_and_images_are_not_reported"],
+    ),
+    # issue h34a: review: one timing helper, one comparison helper, files under 300 lines
+    Mutation(
+        "h34a: slowest_rank_seconds starts each rank's clock without waiting for the others",
+        "minitrain/runtime/timing.py",
+        "    dist.barrier(group=group)\n    start = device_clock(device)\n",
+        "    start = device_clock(device)\n",
+        ["tests/test_timing.py"],
     ),
 ]
 

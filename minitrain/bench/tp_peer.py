@@ -51,7 +51,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from minitrain.runtime import device_clock, get_device, launch
+from minitrain.runtime import get_device, launch, slowest_rank_seconds
 
 # The key projection's bias has a zero gradient in exact arithmetic (q·(k_j + b) adds the same
 # q·b to every score of a row, and softmax ignores it), so its computed gradient is rounding
@@ -150,26 +150,26 @@ def _rank_peers(config: dict, steps: int, batch: int, sequence_parallel: bool) -
         return loss
 
     run = {"minitrain": minitrain_step, "torch": torch_step}
+    shapes, grads = {name: p.shape for name, p in dense.named_parameters()}, {}
+
+    def train_step(name, x, y, capture_gradients: bool):
+        loss = run[name](x, y)
+        if capture_gradients:  # the gradients, before AdamW divides rounding noise by itself
+            grads[name] = _full_parameters(models[name], shapes, grad=True)
+        opts[name].step()
+        opts[name].zero_grad(set_to_none=True)
+        return loss
+
     gen = torch.Generator(device="cpu").manual_seed(1)  # the same batches on every rank
     times = {name: [] for name in models}
     losses = {name: [] for name in models}
-    shapes, grads = {name: p.shape for name, p in dense.named_parameters()}, {}
     for step in range(steps + 1):  # step 0 warms up both
         x, y = (torch.randint(0, config["vocab_size"], (batch, config["seq_len"]), generator=gen,
                               device="cpu").to(device) for _ in range(2))
-        for name in models:
-            dist.barrier()
-            start = device_clock(device)
-            loss = run[name](x, y)
-            if step == 0:  # the gradients, before AdamW divides rounding noise by itself
-                grads[name] = _full_parameters(models[name], shapes, grad=True)
-            opts[name].step()
-            opts[name].zero_grad(set_to_none=True)
-            elapsed = torch.tensor(device_clock(device) - start, dtype=torch.float64,
-                                   device=device)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's step
+        for name in models:  # the slowest rank's step
+            seconds, loss = slowest_rank_seconds(train_step, name, x, y, step == 0, device=device)
             if step:
-                times[name].append(elapsed.item())
+                times[name].append(seconds)
             loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
             losses[name].append(loss.item())
     full_ours, full_theirs = _full_parameters(ours, shapes), _full_parameters(theirs, shapes)
