@@ -20,7 +20,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from minitrain.bench import bench_parser
+from minitrain.bench import bench_parser, max_abs_difference
 from minitrain.runtime import launch, slowest_rank_seconds
 
 MODEL = dict(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=256)  # 3.3 M parameters
@@ -63,14 +63,11 @@ def _rank(config: dict, steps: int, batch: int):
             seconds, _ = slowest_rank_seconds(train_step, name, x, y)  # the slowest rank's step
             if step:
                 times[name].append(seconds)
-    full_ours = ours.full_state_dict()
-    worst = moved = 0.0
+    full_theirs = {name: p.full_tensor() if hasattr(p, "full_tensor") else p
+                   for name, p in theirs.named_parameters()}
     initial = dict(dense.named_parameters())
-    for name, p in theirs.named_parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-        worst = max(worst, (full - full_ours[name]).abs().max().item())
-        moved = max(moved, (full - initial[name].detach()).abs().max().item())
-    return times, worst, moved
+    return (times, max_abs_difference(full_theirs, ours.full_state_dict()),
+            max_abs_difference(full_theirs, initial))
 
 
 def run(config: dict, steps: int, world: int = 2, batch: int = 4) -> dict:

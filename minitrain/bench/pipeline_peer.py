@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from minitrain.bench import max_abs_difference
 from minitrain.runtime import get_device, launch, slowest_rank_seconds, trace
 
 CASES = [("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8)]  # (schedule, micro-batches)
@@ -124,11 +125,10 @@ def _rank(config: dict, cases: list, pairs: int, microbatch: int):
             if rank == p - 1:  # torch's losses are per micro-batch, on the last stage only
                 theirs_loss = torch.stack(out["torch"]).mean()
                 loss_diff = max(loss_diff, (out["minitrain"] - theirs_loss).abs().item())
-        initial, final = dict(dense.named_parameters()), dict(theirs_gpt.named_parameters())
-        worst = moved = 0.0
-        for pname, q in _owned(ours).items():
-            worst = max(worst, (q - final[pname]).abs().max().item())
-            moved = max(moved, (final[pname] - initial[pname]).abs().max().item())
+        final = dict(theirs_gpt.named_parameters())
+        final = {pname: final[pname] for pname in _owned(ours)}  # this rank's stage's
+        worst = max_abs_difference(_owned(ours), final)
+        moved = max_abs_difference(final, dict(dense.named_parameters()))
         results.append(dict(times=times, param_diff=worst, loss_diff=loss_diff, moved=moved))
         dist.barrier()
     return results

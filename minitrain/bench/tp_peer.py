@@ -51,6 +51,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from minitrain.bench import max_abs_difference
 from minitrain.runtime import get_device, launch, slowest_rank_seconds
 
 # The key projection's bias has a zero gradient in exact arithmetic (q·(k_j + b) adds the same
@@ -174,12 +175,10 @@ def _rank_peers(config: dict, steps: int, batch: int, sequence_parallel: bool) -
             losses[name].append(loss.item())
     full_ours, full_theirs = _full_parameters(ours, shapes), _full_parameters(theirs, shapes)
     diffs = {"loss": max(abs(a - b) for a, b in zip(losses["minitrain"], losses["torch"]))}
-    moved = grad_diff = 0.0
-    for name, p in dense.named_parameters():
-        step0 = grads["minitrain"][name] - grads["torch"][name]
-        grad_diff = max(grad_diff, step0.abs().max().item())
-        diffs[name] = (full_ours[name] - full_theirs[name]).abs().max().item()
-        moved = max(moved, (full_theirs[name] - p.detach()).abs().max().item())
+    for name in shapes:  # each parameter's own: the report names the worst
+        diffs[name] = max_abs_difference({name: full_ours[name]}, full_theirs)
+    grad_diff = max_abs_difference(grads["minitrain"], grads["torch"])
+    moved = max_abs_difference(full_theirs, dict(dense.named_parameters()))
     # the same work: each rank holds the same share of the blocks (heads and MLP units split
     # alike; an unsharded attention in torch's plan would still compute the right numbers)
     local = {name: sum((p.to_local() if hasattr(p, "to_local") else p).numel()
