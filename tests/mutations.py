@@ -1372,6 +1372,13 @@ MUTATIONS = [
         "    start = device_clock(device)\n",
         ["tests/test_timing.py"],
     ),
+    Mutation(
+        "h34a: python -m minitrain.bench lists the *_peer sections as benchmarks",
+        "minitrain/bench/__main__.py",
+        ' and not m.name.endswith("_peer")',
+        "",
+        ["tests/test_shared_helpers.py::test_bench_lists_the_benchmarks_not_their_peer_sections"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

@@ -99,3 +99,15 @@ def test_max_abs_difference_is_the_largest_elementwise_gap_over_every_name():
         max_abs_difference(a, {"w": a["w"]})
     with pytest.raises(ValueError, match=r"'w' has shape \(2, 3\).*\(3,\)"):
         max_abs_difference(a, {"w": torch.zeros(3, device="cpu"), "b": a["b"]})
+
+
+def test_bench_lists_the_benchmarks_not_their_peer_sections(capsys):
+    from minitrain.bench.__main__ import main
+
+    assert main([]) == 0
+    listed = capsys.readouterr().out.split("benchmarks: ")[1].strip().split(", ")
+    assert {"tp", "pipeline", "allreduce", "fsdp"} <= set(listed)
+    assert not [n for n in listed if n.endswith("_peer")], listed
+    assert main(["tp_peer"]) == 2  # not a benchmark of its own: refused, naming the choices
+    err = capsys.readouterr().err
+    assert "'tp_peer'" in err and "pipeline_peer" not in err

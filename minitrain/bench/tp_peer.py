@@ -239,15 +239,3 @@ def report_peers(results: dict) -> str:
             f"without the k_proj biases, loss {r['loss |diff|']:.2e}, first gradients "
             f"{r['grad |diff|']:.2e}; parameters moved by up to {r['moved']:.2e}")
     return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    """``python -m minitrain.bench tp_peer`` is ``python -m minitrain.bench tp --peers-only``
-    (this module is listed as a benchmark by its name)."""
-    from minitrain.bench import tp
-
-    return tp.main(["--peers-only", *(argv or [])])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
