@@ -562,14 +562,14 @@ MUTATIONS = [
     # issue 26: accumulation dtypes (low precision up to fp32, fp64 stays fp64)
     Mutation(
         "issue 26: pipeline loss sent in the model's dtype into a float64 buffer",
-        "minitrain/pipeline/executor.py",
-        "            loss = torch.stack(state.losses).to(dtype).mean().double()  # exact: fp32 or fp64\n",
-        "            loss = torch.stack(state.losses).mean()\n",
+        "minitrain/pipeline/step_messages.py",
+        "        loss = torch.stack(state.losses).to(dtype).mean().double()  # exact: fp32 or fp64\n",
+        "        loss = torch.stack(state.losses).mean()\n",
         ["tests/test_wide_dtypes.py::test_pipeline_returns_the_same_loss_on_every_stage_in_any_dtype"],
     ),
     Mutation(
         "issue 26: pipeline loss averaged over the micro-batches in the model's dtype",
-        "minitrain/pipeline/executor.py",
+        "minitrain/pipeline/step_messages.py",
         "loss = torch.stack(state.losses).to(dtype).mean().double()",
         "loss = torch.stack(state.losses).mean().double()",
         ["tests/test_wide_dtypes.py::test_pipeline_returns_the_same_loss_on_every_stage_in_any_dtype"],
@@ -741,7 +741,7 @@ MUTATIONS = [
     ),
     Mutation(
         "pipeline: gradients summed, not averaged, over DP (AdamW cancels it)",
-        "minitrain/pipeline/executor.py",
+        "minitrain/pipeline/step_messages.py",
         "flat /= dist.get_world_size(group)",
         "flat /= 1",
         ["tests/test_train.py::test_sgd_lr_1_losses_equal_the_single_process"
