@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from minitrain.ddp import assign_buckets, broadcast_from_first_rank
 from minitrain.fsdp.clipping import clip_grad_norm_
+from minitrain.fsdp.shards import register_shards, replicated_ids
 from minitrain.runtime import trace
 from minitrain.zero.accounting import count_sent, optimizer_state_tensors, storage_bytes
 from minitrain.zero.buffers import FlatUnit, all_gather_tensor, reduce_scatter_tensor, timed
@@ -163,4 +164,4 @@ class FullyShardedDataParallel:
         # HINT: dist.all_reduce(tensor, group=..., async_op=True) returns a work handle too
         raise NotImplementedError("exercise: write FullyShardedDataParallel._launch_reduce_scatter (see its docstring)")
 
-# minitrain-exercises-hash: 519d8e799c4a8b15
+# minitrain-exercises-hash: 06d5aea2baa9ec41

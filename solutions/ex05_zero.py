@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from minitrain.ddp import assign_buckets, broadcast_from_first_rank
 from minitrain.fsdp.clipping import clip_grad_norm_
+from minitrain.fsdp.shards import register_shards, replicated_ids
 from minitrain.runtime import trace
 from minitrain.zero.accounting import count_sent, optimizer_state_tensors, storage_bytes
 from minitrain.zero.buffers import FlatUnit, all_gather_tensor, reduce_scatter_tensor, timed
@@ -227,4 +228,4 @@ class FullyShardedDataParallel:
         self._pending.append((u, out, timed(work), start))
         ### END SOLUTION
 
-# minitrain-exercises-hash: 4353d52599b7fe1d
+# minitrain-exercises-hash: f6d0951ba57d2709
