@@ -14,7 +14,9 @@ Used by notebooks/11_putting_it_together.ipynb and ``python -m minitrain.train``
 - ``published_layouts.py``: Megatron-LM 2021 and Llama 3 405B, to hold the planner against;
 - ``run_checkpoint.py``: a run's sharded, atomic checkpoints (``save_run``, ``load_run``) —
   not chapter 3's activation checkpointing;
-- ``command.py``: the body of ``python -m minitrain.train`` (parser, ``train_rank``, ``main``).
+- ``command.py``: the body of ``python -m minitrain.train`` (parser, ``train_rank``, ``main``);
+  ``command_flags.py`` its flags, their checks and what they mean (config, layout, schedule);
+  ``command_errors.py`` its one-line failures.
 """
 
 from minitrain.parallel.command import CPU_PEAK_FLOPS, build_parser, train_rank
