@@ -711,7 +711,7 @@ MUTATIONS = [
     ),
     Mutation(
         "planner: SP for every tp > 1 (TP not dividing a CP rank's positions)",
-        "minitrain/parallel/planner.py",
+        "minitrain/parallel/layouts.py",
         "sp = tp > 1 and (seq_len // cp) % tp == 0",
         "sp = tp > 1",
         ["tests/test_planner_layouts.py::"
