@@ -125,9 +125,9 @@ def _rank(config: dict, cases: list, pairs: int, microbatch: int):
             if rank == p - 1:  # torch's losses are per micro-batch, on the last stage only
                 theirs_loss = torch.stack(out["torch"]).mean()
                 loss_diff = max(loss_diff, (out["minitrain"] - theirs_loss).abs().item())
-        final = dict(theirs_gpt.named_parameters())
-        final = {pname: final[pname] for pname in _owned(ours)}  # this rank's stage's
-        worst = max_abs_difference(_owned(ours), final)
+        owned, final = _owned(ours), dict(theirs_gpt.named_parameters())
+        final = {pname: final[pname] for pname in owned}  # torch's copy of this rank's stage
+        worst = max_abs_difference(owned, final)
         moved = max_abs_difference(final, dict(dense.named_parameters()))
         results.append(dict(times=times, param_diff=worst, loss_diff=loss_diff, moved=moved))
         dist.barrier()
