@@ -10,11 +10,12 @@ above your functions, so you can call its helpers.
 from __future__ import annotations
 
 import torch.distributed as dist
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import NamedTuple
 from minitrain.collectives.cost_model import predict_all_reduce
 from minitrain.model import GPTConfig
 from minitrain.moe.measure import all_to_all_bytes_formula
+from minitrain.parallel.layouts import Layout, enumerate_layouts, layout_dict
 from minitrain.parallel.mesh import AXES, MeshCoords, _sizes
 from minitrain.pipeline import split_blocks
 from minitrain.step import flops_per_token
@@ -73,4 +74,4 @@ def params_per_rank(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0)
     # HINT: multiply by the stage's number of blocks, then add what the stage's ends hold
     raise NotImplementedError("exercise: write params_per_rank (see its docstring)")
 
-# minitrain-exercises-hash: 4cfedf192f57db55
+# minitrain-exercises-hash: a1a197b382247e32

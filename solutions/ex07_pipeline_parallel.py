@@ -16,7 +16,8 @@ from minitrain.checkpointing import set_checkpointing
 from minitrain.pipeline.check import ScheduleError, dependencies, simulate
 from minitrain.pipeline.executor import PipelineStage, StepState
 from minitrain.pipeline.partition import StageChunk, split_blocks
-from minitrain.pipeline.schedules import check_sizes, make_schedule
+from minitrain.pipeline.schedules import check_sizes, resolve_schedule
+from minitrain.pipeline.step_messages import LOSS_TAG, average_gradients, post_loss_receive, share_loss
 from minitrain.runtime import trace
 
 
@@ -146,4 +147,4 @@ def bubble_fraction(schedule, num_chunks: int = 1) -> Fraction:
     return 1 - busy / (p * max(free))
     ### END SOLUTION
 
-# minitrain-exercises-hash: 8d7f05fd53201214
+# minitrain-exercises-hash: 56c1447f07187e81

@@ -6,11 +6,12 @@ The worked answers. Look one up when you are stuck; the library has them too.
 from __future__ import annotations
 
 import torch.distributed as dist
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import NamedTuple
 from minitrain.collectives.cost_model import predict_all_reduce
 from minitrain.model import GPTConfig
 from minitrain.moe.measure import all_to_all_bytes_formula
+from minitrain.parallel.layouts import Layout, enumerate_layouts, layout_dict
 from minitrain.parallel.mesh import AXES, MeshCoords, _sizes
 from minitrain.pipeline import split_blocks
 from minitrain.step import flops_per_token
@@ -96,4 +97,4 @@ def params_per_rank(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0)
     return total
     ### END SOLUTION
 
-# minitrain-exercises-hash: 5679a6d2cdb6b8b8
+# minitrain-exercises-hash: 8848b30d5545b644

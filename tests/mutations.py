@@ -1377,6 +1377,20 @@ MUTATIONS = [
         '            "minitrain.runtime.launch", "minitrain.runtime.rank", "minitrain.ddp"]\n',
         ["tests/test_launch.py::test_ranks_start_with_torch_dynamo_loaded_and_import_techniques_afresh"],
     ),
+    Mutation(
+        "h34a: slowest_rank_seconds starts each rank's clock without waiting for the others",
+        "minitrain/runtime/timing.py",
+        "    dist.barrier(group=group)\n    start = device_clock(device)\n",
+        "    start = device_clock(device)\n",
+        ["tests/test_timing.py"],
+    ),
+    Mutation(
+        "h34a: python -m minitrain.bench lists the *_peer sections as benchmarks",
+        "minitrain/bench/__main__.py",
+        ' and not m.name.endswith("_peer")',
+        "",
+        ["tests/test_shared_helpers.py::test_bench_lists_the_benchmarks_not_their_peer_sections"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

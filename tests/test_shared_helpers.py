@@ -1,13 +1,14 @@
 """The pieces widgets and benchmarks share: ``minitrain.widgets.live``/``plot_png``,
-``minitrain.runtime.summarize_step_times`` and ``minitrain.bench``'s command line and report
-columns. Quick: nothing here launches ranks."""
+``minitrain.runtime.summarize_step_times`` and ``minitrain.bench``'s command line, report
+columns, listing and parameter comparison. Quick: nothing here launches ranks."""
 
 import re
 from pathlib import Path
 
 import pytest
+import torch
 
-from minitrain.bench import bench_parser, step_time_header, step_time_row
+from minitrain.bench import bench_parser, max_abs_difference, step_time_header, step_time_row
 from minitrain.runtime import median_and_quartiles, summarize_step_times
 from minitrain.widgets import live, plot_png
 
@@ -80,3 +81,33 @@ def test_step_time_columns_line_up():
     assert row == "ZeRO-3                  26.6     20.9-28.7   1.39x"
     wide = step_time_header(30, "torch DDP", spread=False)
     assert len(wide) == len(step_time_row("flat", 0.0202, 0.0183, 30, "torch DDP"))
+
+
+def test_max_abs_difference_is_the_largest_elementwise_gap_over_every_name():
+    a = {"w": torch.zeros(2, 3, device="cpu"), "b": torch.zeros(4, device="cpu")}
+    b = {"w": torch.zeros(2, 3, device="cpu"), "b": torch.zeros(4, device="cpu"),
+         "extra": torch.ones(1, device="cpu")}  # names only b holds are not compared
+    b["w"][1, 1], b["b"][2] = 0.5, -0.75  # exact in binary: the answer is 0.75 exactly
+    assert max_abs_difference(a, b) == 0.75
+    assert max_abs_difference({"w": a["w"]}, b) == 0.5
+    assert max_abs_difference({}, b) == 0.0
+    # 256 - 0.5 = 255.5 needs 9 significant bits; bf16 keeps 8, so a bf16 subtraction
+    # would round it to 256 (both operands are exact in bf16)
+    hi, lo = (torch.tensor([v], dtype=torch.bfloat16, device="cpu") for v in (256.0, 0.5))
+    assert max_abs_difference({"x": hi}, {"x": lo}) == 255.5
+    with pytest.raises(KeyError, match="'b'"):
+        max_abs_difference(a, {"w": a["w"]})
+    with pytest.raises(ValueError, match=r"'w' has shape \(2, 3\).*\(3,\)"):
+        max_abs_difference(a, {"w": torch.zeros(3, device="cpu"), "b": a["b"]})
+
+
+def test_bench_lists_the_benchmarks_not_their_peer_sections(capsys):
+    from minitrain.bench.__main__ import main
+
+    assert main([]) == 0
+    listed = capsys.readouterr().out.split("benchmarks: ")[1].strip().split(", ")
+    assert {"tp", "pipeline", "allreduce", "fsdp"} <= set(listed)
+    assert not [n for n in listed if n.endswith("_peer")], listed
+    assert main(["tp_peer"]) == 2  # not a benchmark of its own: refused, naming the choices
+    err = capsys.readouterr().err
+    assert "'tp_peer'" in err and "pipeline_peer" not in err

@@ -6,8 +6,10 @@ machine, and prints the medians side by side with their ratio. Speed targets are
 checked here, never by timed unit tests. ``python -m minitrain.bench`` lists them.
 
 What they share lives here: the command line (``bench_parser``: ``--quick``, ``--steps``),
-the step-time columns of their reports (``step_time_header``, ``step_time_row``) and the
-aligned table (``print_table``). The step times themselves are summarised by
+the step-time columns of their reports (``step_time_header``, ``step_time_row``), the
+aligned table (``print_table``) and how far apart two sets of parameters are
+(``max_abs_difference``: a side-by-side run's agreement, and how far training moved them).
+The step times themselves are summarised by
 ``minitrain.runtime.summarize_step_times``, which the techniques' measuring code uses too.
 """
 
@@ -95,6 +97,32 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
     print("  ".join(c.rjust(widths[c]) for c in columns))
     for r in rows:
         print("  ".join(_fmt(r.get(c, "")).rjust(widths[c]) for c in columns))
+
+
+def max_abs_difference(a: dict, b: dict) -> float:
+    """The largest |a[name] - b[name]| over every element of every tensor of ``a`` (0.0 for an
+    empty ``a``): how far apart two sets of full parameters ended (minitrain's and torch's
+    after the same steps), or how far training moved them (``b`` the initial ones) — the
+    second says whether the first's agreement means anything.
+
+    ``b`` must hold each of ``a``'s names with the same shape (a name missing or a shape that
+    would broadcast is an error naming it). Differences are taken in
+    ``promote_types(dtype, float32)``: a bf16 difference would round away what it measures."""
+    import torch  # here, not at the top: ``python -m minitrain.bench`` lists without torch
+
+    worst = 0.0
+    for name, x in a.items():
+        if name not in b:
+            raise KeyError(f"max_abs_difference: {name!r} is in the first set, not the second")
+        y = b[name]
+        if x.shape != y.shape:
+            raise ValueError(f"max_abs_difference: {name!r} has shape {tuple(x.shape)} in the "
+                             f"first set, {tuple(y.shape)} in the second")
+        if x.numel():
+            wide = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
+            diff = x.detach().to(wide) - y.detach().to(device=x.device, dtype=wide)
+            worst = max(worst, diff.abs().max().item())
+    return worst
 
 
 def _fmt(value) -> str:

@@ -9,8 +9,9 @@ import minitrain.bench as bench
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    names = sorted(
-        m.name for m in pkgutil.iter_modules(bench.__path__) if not m.name.startswith("_")
+    names = sorted(  # a ``*_peer`` module is a section of the benchmark it is named after
+        m.name for m in pkgutil.iter_modules(bench.__path__)
+        if not m.name.startswith("_") and not m.name.endswith("_peer")
     )
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: python -m minitrain.bench <name> [options]\nbenchmarks: " + ", ".join(names))

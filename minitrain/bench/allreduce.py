@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from minitrain.bench import bench_parser
-from minitrain.runtime import device_clock, get_device, launch
+from minitrain.runtime import get_device, launch, slowest_rank_seconds
 
 KB, MB = 1024, 1024 * 1024
 SIZES = [KB * 4**i for i in range(9)]  # 1 KB, 4 KB, ..., 64 MB
@@ -35,12 +35,7 @@ def _time_once(fn, x: torch.Tensor, group: ProcessGroup | None = None) -> float:
     """The slowest rank's time for one all-reduce of a copy of ``x`` (an op ends when its
     last rank does)."""
     y = x.clone()
-    dist.barrier(group)
-    start = device_clock(y.device)
-    fn(y, group)
-    elapsed = torch.tensor(device_clock(y.device) - start, dtype=torch.float64, device=y.device)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-    return elapsed.item()
+    return slowest_rank_seconds(fn, y, group, device=y.device, group=group)[0]
 
 
 def _torch_all_reduce(t, group: ProcessGroup | None = None):

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
-from minitrain.bench import bench_parser
-from minitrain.runtime import launch
+from minitrain.bench import bench_parser, max_abs_difference
+from minitrain.runtime import launch, slowest_rank_seconds
 
 MODEL = dict(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=256)  # 3.3 M parameters
 QUICK_MODEL = dict(vocab_size=128, seq_len=32, n_layer=2, n_head=4, d_model=128)
@@ -46,31 +45,29 @@ def _rank(config: dict, steps: int, batch: int):
         "torch": torch.optim.AdamW(theirs.parameters(), lr=1e-3),
     }
     models = {"minitrain": ours, "torch": theirs}
+
+    def train_step(name, x, y):
+        model = models[name]
+        lm_loss(model(x), y).backward()
+        if name == "minitrain":
+            model.finish_gradient_synchronization()
+        opts[name].step()
+        opts[name].zero_grad(set_to_none=True)
+
     gen = torch.Generator(device="cpu").manual_seed(1 + dist.get_rank())
     times = {name: [] for name in models}
     for step in range(steps + 1):  # step 0 warms up both
         x = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]), generator=gen, device="cpu")
         y = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]), generator=gen, device="cpu")
-        for name, model in models.items():
-            dist.barrier()
-            start = time.perf_counter()
-            lm_loss(model(x), y).backward()
-            if name == "minitrain":
-                model.finish_gradient_synchronization()
-            opts[name].step()
-            opts[name].zero_grad(set_to_none=True)
-            elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64, device="cpu")
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        for name in models:
+            seconds, _ = slowest_rank_seconds(train_step, name, x, y)  # the slowest rank's step
             if step:
-                times[name].append(elapsed.item())
-    full_ours = ours.full_state_dict()
-    worst = moved = 0.0
+                times[name].append(seconds)
+    full_theirs = {name: p.full_tensor() if hasattr(p, "full_tensor") else p
+                   for name, p in theirs.named_parameters()}
     initial = dict(dense.named_parameters())
-    for name, p in theirs.named_parameters():
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p.detach()
-        worst = max(worst, (full - full_ours[name]).abs().max().item())
-        moved = max(moved, (full - initial[name].detach()).abs().max().item())
-    return times, worst, moved
+    return (times, max_abs_difference(full_theirs, ours.full_state_dict()),
+            max_abs_difference(full_theirs, initial))
 
 
 def run(config: dict, steps: int, world: int = 2, batch: int = 4) -> dict:

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import copy
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from minitrain.runtime import get_device, launch, trace
+from minitrain.bench import max_abs_difference
+from minitrain.runtime import get_device, launch, slowest_rank_seconds, trace
 
 CASES = [("gpipe", 4), ("gpipe", 8), ("1f1b", 4), ("1f1b", 8)]  # (schedule, micro-batches)
 LR = 0.1
@@ -60,17 +60,6 @@ class TorchStageModule(nn.Module):
 def _owned(stage) -> dict:
     """name -> parameter of what minitrain's stage holds (the dense model's names)."""
     return dict(stage.model.named_parameters())
-
-
-def _timed(step_fn, *args):
-    """(seconds ``step_fn(*args)`` takes on the slowest rank, all ranks starting together,
-    its result)."""
-    dist.barrier()
-    start = time.perf_counter()
-    result = step_fn(*args)
-    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64, device="cpu")
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item(), result
 
 
 def _step_minitrain(stage, opt, x, y, schedule, m):
@@ -130,17 +119,16 @@ def _rank(config: dict, cases: list, pairs: int, microbatch: int):
             out = {}
             for who in ("minitrain", "torch") if step % 2 == 0 else ("torch", "minitrain"):
                 trace.reset()  # minitrain's executor records its spans: keep the list short
-                seconds, out[who] = _timed(*steps[who])
+                seconds, out[who] = slowest_rank_seconds(*steps[who], device=device)
                 if step:
                     times[who].append(seconds)
             if rank == p - 1:  # torch's losses are per micro-batch, on the last stage only
                 theirs_loss = torch.stack(out["torch"]).mean()
                 loss_diff = max(loss_diff, (out["minitrain"] - theirs_loss).abs().item())
-        initial, final = dict(dense.named_parameters()), dict(theirs_gpt.named_parameters())
-        worst = moved = 0.0
-        for pname, q in _owned(ours).items():
-            worst = max(worst, (q - final[pname]).abs().max().item())
-            moved = max(moved, (final[pname] - initial[pname]).abs().max().item())
+        owned, final = _owned(ours), dict(theirs_gpt.named_parameters())
+        final = {pname: final[pname] for pname in owned}  # torch's copy of this rank's stage
+        worst = max_abs_difference(owned, final)
+        moved = max_abs_difference(final, dict(dense.named_parameters()))
         results.append(dict(times=times, param_diff=worst, loss_diff=loss_diff, moved=moved))
         dist.barrier()
     return results

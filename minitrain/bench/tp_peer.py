@@ -51,7 +51,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from minitrain.runtime import device_clock, get_device, launch
+from minitrain.bench import max_abs_difference
+from minitrain.runtime import get_device, launch, slowest_rank_seconds
 
 # The key projection's bias has a zero gradient in exact arithmetic (q·(k_j + b) adds the same
 # q·b to every score of a row, and softmax ignores it), so its computed gradient is rounding
@@ -150,36 +151,34 @@ def _rank_peers(config: dict, steps: int, batch: int, sequence_parallel: bool) -
         return loss
 
     run = {"minitrain": minitrain_step, "torch": torch_step}
+    shapes, grads = {name: p.shape for name, p in dense.named_parameters()}, {}
+
+    def train_step(name, x, y, capture_gradients: bool):
+        loss = run[name](x, y)
+        if capture_gradients:  # the gradients, before AdamW divides rounding noise by itself
+            grads[name] = _full_parameters(models[name], shapes, grad=True)
+        opts[name].step()
+        opts[name].zero_grad(set_to_none=True)
+        return loss
+
     gen = torch.Generator(device="cpu").manual_seed(1)  # the same batches on every rank
     times = {name: [] for name in models}
     losses = {name: [] for name in models}
-    shapes, grads = {name: p.shape for name, p in dense.named_parameters()}, {}
     for step in range(steps + 1):  # step 0 warms up both
         x, y = (torch.randint(0, config["vocab_size"], (batch, config["seq_len"]), generator=gen,
                               device="cpu").to(device) for _ in range(2))
-        for name in models:
-            dist.barrier()
-            start = device_clock(device)
-            loss = run[name](x, y)
-            if step == 0:  # the gradients, before AdamW divides rounding noise by itself
-                grads[name] = _full_parameters(models[name], shapes, grad=True)
-            opts[name].step()
-            opts[name].zero_grad(set_to_none=True)
-            elapsed = torch.tensor(device_clock(device) - start, dtype=torch.float64,
-                                   device=device)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's step
+        for name in models:  # the slowest rank's step
+            seconds, loss = slowest_rank_seconds(train_step, name, x, y, step == 0, device=device)
             if step:
-                times[name].append(elapsed.item())
+                times[name].append(seconds)
             loss = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
             losses[name].append(loss.item())
     full_ours, full_theirs = _full_parameters(ours, shapes), _full_parameters(theirs, shapes)
     diffs = {"loss": max(abs(a - b) for a, b in zip(losses["minitrain"], losses["torch"]))}
-    moved = grad_diff = 0.0
-    for name, p in dense.named_parameters():
-        step0 = grads["minitrain"][name] - grads["torch"][name]
-        grad_diff = max(grad_diff, step0.abs().max().item())
-        diffs[name] = (full_ours[name] - full_theirs[name]).abs().max().item()
-        moved = max(moved, (full_theirs[name] - p.detach()).abs().max().item())
+    for name in shapes:  # each parameter's own: the report names the worst
+        diffs[name] = max_abs_difference({name: full_ours[name]}, full_theirs)
+    grad_diff = max_abs_difference(grads["minitrain"], grads["torch"])
+    moved = max_abs_difference(full_theirs, dict(dense.named_parameters()))
     # the same work: each rank holds the same share of the blocks (heads and MLP units split
     # alike; an unsharded attention in torch's plan would still compute the right numbers)
     local = {name: sum((p.to_local() if hasattr(p, "to_local") else p).numel()
@@ -240,15 +239,3 @@ def report_peers(results: dict) -> str:
             f"without the k_proj biases, loss {r['loss |diff|']:.2e}, first gradients "
             f"{r['grad |diff|']:.2e}; parameters moved by up to {r['moved']:.2e}")
     return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    """``python -m minitrain.bench tp_peer`` is ``python -m minitrain.bench tp --peers-only``
-    (this module is listed as a benchmark by its name)."""
-    from minitrain.bench import tp
-
-    return tp.main(["--peers-only", *(argv or [])])
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

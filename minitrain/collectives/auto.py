@@ -30,7 +30,6 @@ the learner fitted is what runs.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +38,7 @@ from torch.distributed import ProcessGroup
 
 from minitrain.collectives.cost_model import fit_alpha_beta, predict_all_reduce
 from minitrain.collectives.exchange import exchange
+from minitrain.runtime import slowest_rank_seconds
 from minitrain.runtime.point_to_point import ring_neighbours
 
 # the order breaks ties: the first algorithm of equal predicted time wins, on every rank
@@ -87,15 +87,6 @@ def choose_algorithm(nbytes: int, world_size: int, link: LinkCost) -> str:
     )
 
 
-def _slowest_rank_seconds(fn, group: ProcessGroup | None) -> float:
-    dist.barrier(group=group)
-    start = time.perf_counter()
-    fn()
-    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64, device="cpu")
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
-    return elapsed.item()
-
-
 def measure_link_cost(group: ProcessGroup | None = None, device: torch.device | str = "cpu",
                       sizes: tuple[int, ...] = PROBE_BYTES, reps: int = PROBE_REPS) -> LinkCost:
     """Run on every rank of ``group``: fit α and β to ring steps (send m bytes to the successor
@@ -109,13 +100,14 @@ def measure_link_cost(group: ProcessGroup | None = None, device: torch.device | 
         recv = torch.empty(m // 4, device=device)
         step = lambda s=send, r=recv: exchange(s, next_rank, r, prev_rank, group)  # noqa: E731
         step()  # warm-up: the connection, the allocator
-        seconds.append(min(_slowest_rank_seconds(step, group) for _ in range(reps)))
+        seconds.append(min(slowest_rank_seconds(step, device=device, group=group)[0]
+                           for _ in range(reps)))
     # every rank holds the same times (each is the slowest rank's), so the same fit
     alpha, beta = fit_alpha_beta(list(sizes), seconds)
     a = torch.ones(sizes[-1] // 4, device=device)
     b = torch.ones(sizes[-1] // 4, device=device)
     a.add_(b)  # warm-up
-    add = min(_slowest_rank_seconds(lambda: a.add_(b), group) for _ in range(reps))
+    add = min(slowest_rank_seconds(a.add_, b, device=device, group=group)[0] for _ in range(reps))
     # a fit on noisy times can come out slightly negative; the model needs costs ≥ 0
     return LinkCost(max(alpha, 1e-7), max(beta, 1e-13), add / sizes[-1])
 

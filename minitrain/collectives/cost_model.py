@@ -25,9 +25,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 
-from minitrain.runtime import device_clock, get_device
+from minitrain.runtime import get_device, slowest_rank_seconds
 
 
 def fit_alpha_beta(nbytes: list[int], seconds: list[float]) -> tuple[float, float]:
@@ -80,15 +79,7 @@ def _best_time(fn, reps: int, device) -> float:
     other programs a message sometimes waits milliseconds for its thread to be scheduled.
     On a GPU the clock is read once ``device``'s queued work is done."""
     fn()
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        start = device_clock(device)
-        fn()
-        elapsed = torch.tensor(device_clock(device) - start, dtype=torch.float64, device=device)
-        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-        times.append(elapsed.item())
-    return min(times)
+    return min(slowest_rank_seconds(fn, device=device)[0] for _ in range(reps))
 
 
 def measure_ring_step(sizes: list[int], reps: int = 10) -> list[float]:

@@ -23,6 +23,7 @@ from torch.distributed import ProcessGroup
 
 from minitrain.ddp import broadcast_from_first_rank
 from minitrain.fsdp.clipping import clip_grad_norm_
+from minitrain.fsdp.shards import register_shards, replicated_ids
 from minitrain.runtime import trace
 from minitrain.zero.accounting import count_sent
 from minitrain.zero.buffers import FlatUnit, all_gather_tensor, reduce_scatter_tensor, timed
@@ -68,7 +69,7 @@ class FullyShardedDataParallel(ShardedUnits):
         if len(kinds) > 1:
             raise ValueError(f"FullyShardedDataParallel: parameters of several kinds: {kinds}")
         self.device = named[0][1].device  # where every flat buffer and flag of this wrapper lives
-        whole = _replicated_ids(named, replicated_params)
+        whole = replicated_ids(named, replicated_params)
         broadcast_from_first_rank(module, group)  # replicas start from rank 0's weights
         self.blocks, parts = split_into_units(module, named, units, exclude=whole)
         self.units = [FlatUnit(n, ps, self.world_size, self.rank, True) if ps else None
@@ -83,7 +84,7 @@ class FullyShardedDataParallel(ShardedUnits):
             attach_master(u, compute_dtype, 0 if u.keep_full else self.rank, not u.keep_full)
         if compute_dtype is not None:
             cast_rest(module, compute_dtype, {id(p) for u in self.live_units() for p in u.params})
-        self._register_shards()
+        register_shards(self)  # the shards become the module's parameters (shards.py)
         # reductions in the order backward completes units: last block first, root, replicated
         order = [u for u in reversed(self.units[:-1]) if u is not None]
         order += [u for u in (self.root, self.replicated) if u is not None]
@@ -95,28 +96,6 @@ class FullyShardedDataParallel(ShardedUnits):
         """The sharded units that hold parameters, then the replicated one (if any)."""
         extra = [self.replicated] if self.replicated is not None else []
         return [u for u in self.units if u is not None] + extra
-
-    def _register_shards(self):
-        """The shards become the module's parameters; the originals plain attributes (the
-        same tensors, views of ``u.full``), so ``parameters()`` lists what the optimizer steps."""
-        owners = list(zip(self.blocks, self.units[:-1], ["flat_shard"] * len(self.blocks)))
-        owners += [(self.module, self.root, "flat_shard")]
-        owners += [(self.module, self.replicated, "flat_replicated")]
-        for owner, u, attr in owners:
-            if u is None:
-                continue
-            if hasattr(owner, attr):
-                raise ValueError(
-                    f"FullyShardedDataParallel: {type(owner).__name__} already has an "
-                    f"attribute {attr!r}, where the unit {u.name!r} keeps its shard"
-                )
-            owner.register_parameter(attr, u.master)
-        hidden = {id(p) for u in self.live_units() for p in u.params}
-        for m in self.module.modules():
-            for name, p in list(m._parameters.items()):
-                if p is not None and id(p) in hidden:
-                    del m._parameters[name]
-                    m.__dict__[name] = p  # the forward reads it exactly as before
 
     # ------------------------------------------------------------------ forward
     def forward(self, *args, **kwargs):
@@ -300,21 +279,3 @@ class FullyShardedDataParallel(ShardedUnits):
     def padded_numel(self) -> int:
         """Ψ as sharded: every sharded unit's size rounded up to a multiple of N."""
         return sum(u.padded for u in self.live_units() if not u.keep_full)
-
-
-def _replicated_ids(named: list, replicated) -> set:
-    """Ids of ``replicated_params``, each checked to be a trainable parameter of the module."""
-    if replicated is None:
-        return set()
-    if isinstance(replicated, torch.Tensor):
-        raise ValueError("FullyShardedDataParallel: replicated_params must be a list of tensors")
-    names = {id(p): n for n, p in named}
-    for i, p in enumerate(replicated):
-        if not isinstance(p, torch.Tensor) or id(p) not in names:
-            what = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else repr(p)
-            raise ValueError(
-                f"FullyShardedDataParallel: replicated_params[{i}] ({what}) is not a trainable "
-                "parameter of the module"
-            )
-    return {id(p) for p in replicated}
-

@@ -9,12 +9,14 @@ Used by notebooks/11_putting_it_together.ipynb and ``python -m minitrain.train``
   ``apply_data_parallel``, each over its mesh group (torchtitan's way); ``full_layout``;
 - ``trainer.py``: ``ParallelGPT``, the trainer (batching, micro-batches, the step, the loss
   averaged over the replicas, ``state()`` / ``load_state()``); ``single_process_losses``;
-- ``planner.py``: memory and step time of every layout from the chapters' formulas,
-  ``enumerate_layouts``, ``plan`` (``params_per_rank`` is an exercise);
+- ``planner.py``: memory and step time of every layout from the chapters' formulas, ``plan``
+  (``params_per_rank`` is an exercise); ``layouts.py``: ``Layout``, ``enumerate_layouts``;
 - ``published_layouts.py``: Megatron-LM 2021 and Llama 3 405B, to hold the planner against;
 - ``run_checkpoint.py``: a run's sharded, atomic checkpoints (``save_run``, ``load_run``) —
   not chapter 3's activation checkpointing;
-- ``command.py``: the body of ``python -m minitrain.train`` (parser, ``train_rank``, ``main``).
+- ``command.py``: the body of ``python -m minitrain.train`` (parser, ``train_rank``, ``main``);
+  ``command_flags.py`` its flags, their checks and what they mean (config, layout, schedule);
+  ``command_errors.py`` its one-line failures.
 """
 
 from minitrain.parallel.command import CPU_PEAK_FLOPS, build_parser, train_rank

@@ -25,15 +25,17 @@ ranks the rest by time. Each fact comes from its chapter's public function:
 
 The model is the course's GPT (``GPTConfig``): for another architecture pass a GPTConfig with
 the same width, depth, heads, vocabulary and an MLP width ``d_ff`` giving the same parameters.
+The layouts themselves (``Layout``, ``enumerate_layouts``) are ``layouts.py``'s.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from minitrain.collectives.cost_model import predict_all_reduce
 from minitrain.model import GPTConfig
 from minitrain.moe.measure import all_to_all_bytes_formula
+from minitrain.parallel.layouts import Layout, enumerate_layouts, layout_dict  # noqa: F401
 from minitrain.pipeline import split_blocks
 from minitrain.step import flops_per_token
 from minitrain.tensor_parallel.measure import layer_activation_bytes
@@ -62,27 +64,6 @@ class Cluster:
     peak_flops: float
     mfu: float = 0.5
     alpha: float = 10e-6
-
-
-@dataclass(frozen=True)
-class Layout:
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    zero: int = 0
-    checkpointing: str = "none"  # or "full" (chapter 3)
-    microbatches: int = 1  # per step; with pp = 1, gradient-accumulation steps
-    schedule: str = "1f1b"
-    sequence_parallel: bool = False
-    ep: int = 1  # expert parallelism, inside dp × cp (chapter 8)
-
-    def __str__(self):
-        sp = "+SP" if self.sequence_parallel else ""
-        ck = ", recompute" if self.checkpointing == "full" else ""
-        ep = f"×EP{self.ep}" if self.ep > 1 else ""
-        return (f"DP{self.dp}×TP{self.tp}{sp}×PP{self.pp}×CP{self.cp}{ep}, ZeRO-{self.zero}, "
-                f"m={self.microbatches} {self.schedule}{ck}")
 
 
 def params_per_rank(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
@@ -249,53 +230,6 @@ def step_time(config: GPTConfig, layout: Layout, seq_len: int, global_batch: int
     return out
 
 
-def _divisors(n: int, limit: int) -> list[int]:
-    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
-
-
-def enumerate_layouts(config: GPTConfig, seq_len: int, global_batch: int, devices: int,
-                      devices_per_node: int, zero_stages=(0, 1, 2, 3),
-                      checkpointing=("none", "full"), max_cp: int = 16) -> list[Layout]:
-    """Every layout the course's techniques can run: TP inside a node dividing the heads, PP
-    up to the layers, CP dividing the sequence, micro-batch counts dividing the local batch.
-    Sequence parallelism with every tp > 1 whose ranks divide a CP rank's positions (with
-    CP, SP cuts each CP shard further over the TP ranks, as Megatron-Core does). Each one
-    builds and trains in ``minitrain.parallel.ParallelGPT`` (``layout_dict``)."""
-    out = []
-    for tp in _divisors(devices, devices_per_node):
-        if config.n_head % tp or config.d_ff % tp or config.vocab_size % tp:
-            continue
-        # a tied head lives with the embedding on the first stage: no pipeline (chapter 7)
-        for pp in _divisors(devices // tp, 1 if config.tie_weights else config.n_layer):
-            for cp in _divisors(devices // (tp * pp), max_cp):
-                if seq_len % (2 * cp if cp > 1 else 1):
-                    continue
-                sp = tp > 1 and (seq_len // cp) % tp == 0 and not config.moe_experts
-                dp = devices // (tp * pp * cp)
-                if global_batch % dp:
-                    continue
-                local = global_batch // dp
-                counts = [m for m in _divisors(local, local) if pp == 1 or m >= pp]
-                for m in counts:
-                    for zero in zero_stages:
-                        if zero > 1 and pp > 1:  # not combined (see parallelize.check_composition)
-                            continue
-                        for ck in checkpointing:
-                            out += [Layout(dp, tp, pp, cp, zero, ck, m, "1f1b", sp, ep)
-                                    for ep in _expert_parallel_sizes(config, dp * cp, pp, zero)]
-    return out
-
-
-def _expert_parallel_sizes(config: GPTConfig, replicas: int, pp: int, zero: int) -> list[int]:
-    """ep sizes dividing dp × cp and the experts; MoE runs with pp = 1, ep > 1 with ZeRO-0
-    (and no SP; ``parallelize.check_moe_composition``), a dense model with ep = 1."""
-    if not config.moe_experts or zero > 0:
-        return [] if pp > 1 and config.moe_experts else [1]
-    if pp > 1:
-        return []
-    return [ep for ep in _divisors(replicas, replicas) if config.moe_experts % ep == 0]
-
-
 def plan(config: GPTConfig, seq_len: int, global_batch: int, cluster: Cluster,
          precision: str = "mixed", top: int | None = 10, **enumerate_kw) -> list[dict]:
     """Layouts that fit ``cluster.memory_per_device``, fastest first: dicts with "layout",
@@ -310,7 +244,3 @@ def plan(config: GPTConfig, seq_len: int, global_batch: int, cluster: Cluster,
                      "time": step_time(config, lo, seq_len, global_batch, cluster, precision)})
     rows.sort(key=lambda r: (r["time"]["total"], r["memory"]["total"]))
     return rows[:top] if top else rows
-
-
-def layout_dict(layout: Layout) -> dict:
-    return asdict(layout)

@@ -35,7 +35,8 @@ Public API (what later chapters compose with):
 Shapes are never assumed: the first activation sent over a link for a given micro-batch
 shape carries a small header (ndim, shape, dtype), so a tensor-parallel stage receiving its
 sequence shard (SP) posts the right receive. Sends are ``isend`` (waited at the end of the
-step), receives are blocking ``recv`` with a tag per (micro-batch, chunk, direction).
+step), receives are blocking ``recv`` with a tag per (micro-batch, chunk, direction). The
+loss reaches every stage point to point from the last (``step_messages.py``).
 """
 
 from __future__ import annotations
@@ -48,15 +49,19 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from minitrain.checkpointing import set_checkpointing
-from minitrain.pipeline.check import simulate
 from minitrain.pipeline.partition import StageChunk, split_blocks
-from minitrain.pipeline.schedules import make_schedule
+from minitrain.pipeline.schedules import resolve_schedule
+from minitrain.pipeline.step_messages import (  # noqa: F401 (LOSS_TAG: re-exported)
+    LOSS_TAG,
+    average_gradients,
+    post_loss_receive,
+    share_loss,
+)
 from minitrain.runtime import trace
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 HEADER = 8  # ints: ndim, dtype index, up to 6 sizes
 HEADER_TAG = 1 << 20
-LOSS_TAG = 1 << 21  # the last stage's loss, sent to the others (gloo)
 
 
 class StepState:
@@ -121,7 +126,8 @@ class PipelineStage(nn.Module):
     def is_last(self, chunk: int) -> bool:
         return self.virtual_stage(chunk) == self.num_stages * self.num_chunks - 1
 
-    def _rank_of(self, virtual: int) -> int:
+    def rank_of(self, virtual: int) -> int:
+        """The global rank of the stage holding virtual stage ``virtual``."""
         local = virtual % self.num_stages
         return local if self.group is None else dist.get_global_rank(self.group, local)
 
@@ -134,7 +140,7 @@ class PipelineStage(nn.Module):
         """isend ``tensor`` (an activation for kind "F", a gradient for "B") to the stage
         holding virtual stage ``to_virtual``; the tag names the receiving virtual stage."""
         tensor = tensor.detach().contiguous()
-        dst = self._rank_of(to_virtual)
+        dst = self.rank_of(to_virtual)
         if kind == "F" and (to_virtual, state.key) not in self._sent_shapes:
             # the header travels beside the activation, on its device: under NCCL a CPU header
             # would go to gloo, another backend, another ordering
@@ -151,7 +157,7 @@ class PipelineStage(nn.Module):
         """Receive micro-batch ``mb``'s activation ("F") or gradient ("B", shaped ``like``)
         from the stage holding ``from_virtual``. Blocks until it arrives (traced as a wait)."""
         me = from_virtual + (1 if kind == "F" else -1)  # the virtual stage receiving it
-        src = self._rank_of(from_virtual)
+        src = self.rank_of(from_virtual)
         device = like.device if like is not None else next(self.parameters()).device
         with trace.span(f"recv {kind}{mb}", "communication"):
             if kind == "F":
@@ -204,27 +210,13 @@ class PipelineStage(nn.Module):
         return [q for q in params if q.requires_grad]
 
     # ------------------------------------------------------------------ the step
-    def _resolve(self, schedule, m):
-        p, v = self.num_stages, self.num_chunks
-        if isinstance(schedule, str):
-            schedule = make_schedule(schedule, p, m, v)
-        elif callable(schedule):
-            schedule = schedule(p, m, v) if v > 1 else schedule(p, m)
-        if len(schedule) != p:
-            raise ValueError(f"the schedule has {len(schedule)} stages, the pipeline {p}")
-        widths = {len(a) for stage in schedule for a in stage}
-        if v > 1 and widths != {3}:
-            raise ValueError(f"with num_chunks={v} every action must be (kind, mb, chunk)")
-        simulate(schedule, num_microbatches=m, num_chunks=v)  # raises ScheduleError: no hang
-        return schedule
-
     def train_step(self, inputs, targets, schedule, num_microbatches: int,
                    dp_group: ProcessGroup | None = None,
                    positions=None):
         m, batch = num_microbatches, inputs.shape[0]
         if not isinstance(m, int) or m < 1 or batch % m:
             raise ValueError(f"{m} micro-batches do not divide the batch of {batch} sequences")
-        schedule = self._resolve(schedule, m)
+        schedule = resolve_schedule(schedule, self.num_stages, m, self.num_chunks)
         split = any(a[0] == "W" for a in schedule[self.stage])
         # chapter 3's checkpoint recomputes a block and backpropagates into its weights in
         # one go, so with it B already does W's work (and W has nothing left to do)
@@ -233,52 +225,17 @@ class PipelineStage(nn.Module):
                           [t.clone() for t in targets.chunk(m)], m,
                           split and self.checkpointing is None, positions)
         state.key = (tuple(inputs.shape[1:]), batch // m)
-        # the mean in the model's dtype promoted with fp32 (bf16/fp16 up, fp64 stays), sent as
-        # float64 so every stage posts the same receive whatever its dtype (a bf16 loss sent
-        # into an fp32 buffer read 2e-41 on the other stages; an fp64 one aborted gloo)
         ref = next(self.parameters())  # every stage holds at least one block
-        dtype, last = torch.promote_types(ref.dtype, torch.float32), self.num_stages - 1
-        loss = torch.zeros((), dtype=torch.float64, device=ref.device)
-        # The last stage sends the loss to every other stage. On the CPU (gloo, which matches
-        # messages by tag) the others post its receive now, so the send leaves the moment the
-        # loss exists: a broadcast after the step made the first stage, last to finish, wait
-        # for the idle last stage to wake up and answer (GPipe, m = 4: 2-5 % of the step on a
-        # loaded 2-core machine, measured). NCCL pairs messages in posting order, ignoring
-        # tags: there the receive is posted after the step's last activation or gradient.
-        early = self.num_stages > 1 and ref.device.type == "cpu"
-        loss_recv = (dist.irecv(loss, self._rank_of(last), self.group, LOSS_TAG)
-                     if early and self.stage != last else None)
+        # the last stage sends the loss to every other one (step_messages.py: on gloo the
+        # receive is posted now, so the send leaves the moment the loss exists)
+        received = post_loss_receive(self, ref.device)
         for action in schedule[self.stage]:
             run_action(self, action, state)
-        if self.stage == last:
-            loss = torch.stack(state.losses).to(dtype).mean().double()  # exact: fp32 or fp64
-            for s in range(last):  # every stage returns the loss
-                state.sends.append((dist.isend(loss, self._rank_of(s), self.group, LOSS_TAG), loss))
-        for work, _ in state.sends:
-            work.wait()
-        if self.stage != last and loss_recv is None:
-            loss_recv = dist.irecv(loss, self._rank_of(last), self.group, LOSS_TAG)
-        if loss_recv is not None:
-            loss_recv.wait()
-        loss = loss.to(dtype)
+        # the step's sends waited for; the mean loss, in the model's dtype promoted with fp32
+        loss = share_loss(self, state, received, torch.promote_types(ref.dtype, torch.float32))
         if dp_group is not None:
             average_gradients(self.parameters(), dp_group)
         return loss
-
-
-def average_gradients(params, group) -> None:
-    """Average ``.grad`` over ``group`` with one all-reduce of one flat buffer: once per step,
-    after the last micro-batch (per micro-batch would send m times the bytes)."""
-    grads = [q.grad for q in params if q.grad is not None]
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
 
 
 def run_action(stage: PipelineStage, action: tuple, state: StepState) -> None:

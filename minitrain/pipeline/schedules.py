@@ -10,7 +10,8 @@ stage; entry s is the ordered list of actions stage s runs in one training step:
   ``("W", mb)`` the *weight* gradient (Qi et al. 2024, "Zero Bubble Pipeline Parallelism").
 
 Nothing here runs a model: ``minitrain.pipeline.check`` simulates a schedule (makespan,
-bubble, memory) and ``minitrain.pipeline.executor`` runs it over send/recv.
+bubble, memory) and ``minitrain.pipeline.executor`` runs it over send/recv, after
+``resolve_schedule`` turned a name or a function into the data and checked it.
 """
 
 from __future__ import annotations
@@ -192,3 +193,22 @@ def make_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks:
     if num_chunks != 1:
         raise ValueError(f"schedule {name!r} runs one chunk per stage, got num_chunks={num_chunks}")
     return SCHEDULES[name](num_stages, num_microbatches)
+
+
+def resolve_schedule(schedule, num_stages: int, num_microbatches: int, num_chunks: int = 1):
+    """The schedule ``PipelineStage.train_step`` runs, given as data, as a name in
+    ``SCHEDULES`` or as a function ``(p, m)`` / ``(p, m, v)`` returning it; checked on every
+    rank before anything runs (``check.simulate`` raises ``ScheduleError`` where the schedule
+    would deadlock or leave work undone), so a bad schedule raises instead of hanging."""
+    p, m, v = num_stages, num_microbatches, num_chunks
+    if isinstance(schedule, str):
+        schedule = make_schedule(schedule, p, m, v)
+    elif callable(schedule):
+        schedule = schedule(p, m, v) if v > 1 else schedule(p, m)
+    if len(schedule) != p:
+        raise ValueError(f"the schedule has {len(schedule)} stages, the pipeline {p}")
+    widths = {len(a) for stage in schedule for a in stage}
+    if v > 1 and widths != {3}:
+        raise ValueError(f"with num_chunks={v} every action must be (kind, mb, chunk)")
+    simulate(schedule, num_microbatches=m, num_chunks=v)  # raises ScheduleError: no hang
+    return schedule

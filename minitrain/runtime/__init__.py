@@ -10,7 +10,8 @@ Notebook 00 teaches it; every multi-process chapter uses it.
 - ``point_to_point.py``: send/recv helpers (chapter 0's exercises);
 - ``trace.py``: per-rank timelines of compute and communication;
 - ``communication_log.py``: the one log of what every technique sent (``COMMUNICATION_LOG``);
-- ``timing.py``: step times of several ranks summarised (the slowest rank's, median, quartiles);
+- ``timing.py``: step times of several ranks summarised (the slowest rank's, median, quartiles),
+  one call timed on every rank (``slowest_rank_seconds``);
 - ``hello.py``: ``python -m minitrain.runtime.hello``, the smallest multi-rank program.
 """
 
@@ -27,6 +28,7 @@ from minitrain.runtime.stopping import Interrupted
 from minitrain.runtime.timing import (
     device_clock,
     median_and_quartiles,
+    slowest_rank_seconds,
     summarize_step_times,
     synchronize,
 )
@@ -47,6 +49,7 @@ __all__ = [
     "median_and_quartiles",
     "run",
     "running_under_torchrun",
+    "slowest_rank_seconds",
     "summarize_step_times",
     "synchronize",
 ]

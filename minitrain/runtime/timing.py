@@ -6,6 +6,8 @@ first and third quartiles the spread: a slow moment of a shared machine moves th
 little, and the spread shows it happened. Used by ``minitrain.ddp.measure`` and the
 benchmarks ``python -m minitrain.bench zero | tp | moe``. ``device_clock(device)`` reads the
 clock once the device's queued work is done: what every timing in the course reads (issue 29).
+``slowest_rank_seconds(fn, *args)`` times one call on every rank at once and agrees on the
+slowest rank's seconds: what the side-by-side benchmarks and the α–β model's fit measure.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import statistics
 import time
 
 import torch
+import torch.distributed as dist
 
 
 def slowest_rank_times(per_rank: list[list[float]]) -> list[float]:
@@ -64,3 +67,21 @@ def device_clock(device) -> float:
     and after what is timed, and the difference is that work's time on any device."""
     synchronize(device)
     return time.perf_counter()
+
+
+def slowest_rank_seconds(fn, *args, device="cpu", group=None) -> tuple[float, object]:
+    """(seconds ``fn(*args)`` took on the slowest rank of ``group``, ``fn``'s result).
+
+    A collective: every rank of ``group`` calls it. The ranks start together (a barrier), each
+    reads ``device_clock(device)`` before and after the call, and an all-reduce MAX of the
+    elapsed time gives every rank the same number — the slowest rank's, since a distributed op
+    ends when its last rank does. The same number everywhere also means that every rank that
+    decides something from it (the α–β fit of ``all_reduce(x, "auto")``) decides alike.
+    ``device``: where the work runs (the clock waits for it) and the elapsed time is reduced
+    (NCCL reduces only GPU tensors)."""
+    dist.barrier(group=group)
+    start = device_clock(device)
+    result = fn(*args)
+    elapsed = torch.tensor(device_clock(device) - start, dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+    return elapsed.item(), result

@@ -11,6 +11,8 @@ Used by notebooks/05_zero.ipynb (Rajbhandari et al. 2020, "ZeRO"). Files by role
   run), and the check that names a parameter used while its unit is not gathered;
 - ``gather_order.py``: stage 3's gathers in unit order when ranks skip units;
 - ``data_parallel.py``: ``ZeroDataParallel``, stages 1-3 with optional offload;
+- ``step_transfers.py``: what its step moves around the update (stage 1's reduce-scatter,
+  gradients to the masters, shards written back and all-gathered);
 - ``mixed_precision.py``: low-precision units with fp32 master shards (``compute_dtype``);
 - ``accounting.py``: the paper's memory and communication formulas, and the measured bytes;
 - ``checkpoint.py``: sharded, atomic checkpoints that reshard onto another world size.

@@ -21,8 +21,9 @@ Two ways in: ``ShardedOptimizer`` (ZeRO-1 as a drop-in optimizer, used under DDP
 ``ZeroDataParallel`` (the data-parallel wrapper, stages 1-3, with optional CPU offload of
 the optimizer, Ren et al. 2021 "ZeRO-Offload"). This file is ``ZeroDataParallel``; the
 package's other files: partition.py and optimizer.py (ZeRO-1), buffers.py (flat padded
-units), mixed_precision.py (low-precision units, fp32 master shards), accounting.py (formulas
-and byte counts), checkpoint.py (sharded checkpoints).
+units), mixed_precision.py (low-precision units, fp32 master shards), step_transfers.py (what
+the step moves around the update), accounting.py (formulas and byte counts), checkpoint.py
+(sharded checkpoints).
 """
 
 from __future__ import annotations
@@ -34,17 +35,17 @@ from torch.distributed import ProcessGroup
 
 from minitrain.ddp import assign_buckets, broadcast_from_first_rank
 from minitrain.runtime import trace
-from minitrain.zero.accounting import count_sent, optimizer_state_tensors, storage_bytes
-from minitrain.zero.buffers import FlatUnit, all_gather_tensor, reduce_scatter_tensor
+from minitrain.zero.accounting import optimizer_state_tensors, storage_bytes
+from minitrain.zero.buffers import FlatUnit, all_gather_tensor
 from minitrain.zero.gather_order import OrderedGathers
-from minitrain.zero.mixed_precision import (
-    attach_master,
-    cast_inputs,
-    cast_rest,
-    host_buffer,
-    wait_for_host_copies,
-)
+from minitrain.zero.mixed_precision import attach_master, cast_inputs, cast_rest
 from minitrain.zero.sharded_units import split_into_units
+from minitrain.zero.step_transfers import (
+    hand_gradients_to_masters,
+    point_gradients_at_buffer,
+    reduce_scatter_gradients,
+    write_back_shards,
+)
 
 
 class ZeroDataParallel(OrderedGathers):
@@ -135,8 +136,7 @@ class ZeroDataParallel(OrderedGathers):
             attach_master(u, compute_dtype, self.rank, own_shard=stage == 3, host=host)
             if stage == 1:  # p.grad are views of one flat buffer, which autograd accumulates into
                 u.grad_full = torch.zeros_like(u.full)
-                for k, p in enumerate(u.params):
-                    p.grad = u.slot(u.grad_full, k).view_as(p)
+                point_gradients_at_buffer(u)
         if compute_dtype is not None:
             cast_rest(module, compute_dtype, {id(p) for p in self._where})
         self.optimizer = optimizer_cls([u.master for u in self.live_units()], **kw)
@@ -217,50 +217,19 @@ class ZeroDataParallel(OrderedGathers):
     def step(self):
         """Average gradients (stage 1: now, stages 2-3: done during backward), update this
         rank's shard, then (stages 1-2) all-gather the updated parameters. With a
-        ``loss_scaler``: unscale, agree on overflow across ranks, step or skip, update S."""
+        ``loss_scaler``: unscale, agree on overflow across ranks, step or skip, update S.
+        What moves around the update is step_transfers.py's."""
+        units = self.live_units()
         if self.stage == 1:
-            for u in self.live_units():
-                for k, p in enumerate(u.params):  # a grad someone replaced: copy it in
-                    slot = u.slot(u.grad_full, k)
-                    if p.grad is None:
-                        slot.zero_()
-                    elif p.grad.data_ptr() != slot.data_ptr():
-                        slot.copy_(p.grad.reshape(-1))
-                grad_full = u.grad_full.to(u.master.dtype)  # fp32 for the sum (one unit at a time)
-                u.grad_shard = torch.empty(
-                    u.shard_numel, dtype=grad_full.dtype, device=grad_full.device
-                )
-                reduce_scatter_tensor(u.grad_shard, grad_full, group=self.group)
-                count_sent("reduce_scatter", u.padded * grad_full.element_size(), self.world_size)
-                u.grad_shard.div_(self.world_size)
-        for u in self.live_units():
-            g = u.grad_shard if u.grad_shard is not None else torch.zeros_like(u.master)
-            if self.offload:  # to the host: queued on the stream, waited for once below
-                u.master.grad = host_buffer(g, u.master.device, u.master.dtype)
-                u.master.grad.copy_(g, non_blocking=True)
-            else:
-                u.master.grad = g.to(u.master.device)
-        if self.offload:
-            wait_for_host_copies(self.device)
+            reduce_scatter_gradients(units, self.group, self.world_size)
+        hand_gradients_to_masters(units, self.offload, self.device)
         with trace.span("optimizer step", "compute"):
             if self.loss_scaler is None:
                 self.optimizer.step()
             else:
                 self._scaled_step()
-        with torch.no_grad():
-            for u in self.live_units():
-                if self._separate_master:  # the updated slice, rounded, travels back to the unit
-                    # (from pinned memory without stalling the host; the all-gather after it
-                    # is on the same stream, so it reads the copied values)
-                    u.shard.copy_(u.master, non_blocking=self.offload)
-                u.master.grad = None
-                if self.stage == 1:
-                    u.grad_shard = None
-                if self.stage < 3:
-                    t0 = trace.now()
-                    all_gather_tensor(u.full, u.shard.clone(), group=self.group)
-                    count_sent("all_gather", u.padded * u.full.element_size(), self.world_size)
-                    trace.record(f"all-gather {u.name}", "communication", t0, trace.now())
+        write_back_shards(units, self.stage, self._separate_master, self.offload, self.group,
+                          self.world_size)
 
     def _scaled_step(self):
         """Dynamic loss scaling over shards (Micikevicius et al. 2018, §3.2): each rank sees
@@ -277,8 +246,7 @@ class ZeroDataParallel(OrderedGathers):
             u.grad_shard = None
             if self.stage == 1:
                 u.grad_full.zero_()
-                for k, p in enumerate(u.params):
-                    p.grad = u.slot(u.grad_full, k).view_as(p)
+                point_gradients_at_buffer(u)
 
     # ------------------------------------------------------------------ inspection
     def full_state_dict(self) -> dict:
