@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOTS = ROOT / "browser-screenshots"  # git-ignored: for a person to look at
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+RENDER_TIMEOUT = 120  # s for a displayed widget's view to appear (a loaded machine: slow)
 
 # every ipywidgets control the course's widgets use, and how a person moves it
 CONTROLS = ", ".join(
@@ -282,6 +283,19 @@ class NotebookPage:
         # fresh-clone run: two notebooks' first widgets): bring the cell on screen from the page
         # itself first, which works whatever Playwright thinks of it
         out.evaluate("e => (e.closest('.jp-Cell') || e).scrollIntoView({block: 'center'})")
+        # a widget view renders after its output area exists; on a loaded machine (make test's
+        # two lanes) that took longer than Playwright's 30 s for scroll_into_view_if_needed
+        # ("element is not visible": an empty output area). Wait for the view, or for
+        # JupyterLab's "Error displaying widget", up to RENDER_TIMEOUT; neither: not rendered.
+        from playwright.sync_api import TimeoutError as PlaywrightTimeoutError  # (optional)
+
+        view = out.locator(".jupyter-widgets").or_(out.get_by_text("Error displaying widget"))
+        try:
+            view.first.wait_for(state="visible", timeout=RENDER_TIMEOUT * 1000)
+        except PlaywrightTimeoutError:
+            report.problems.append(f"widget {number} is not rendered within {RENDER_TIMEOUT} s: "
+                                   f"{out.inner_text()[:200]!r}")
+            return
         out.scroll_into_view_if_needed()
         text = out.inner_text()
         if "Error displaying widget" in text or out.locator(".jupyter-widgets").count() == 0:
