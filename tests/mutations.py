@@ -1393,6 +1393,13 @@ MUTATIONS = [
         '            "minitrain.runtime.launch", "minitrain.runtime.rank", "minitrain.ddp"]\n',
         ["tests/test_launch.py::test_ranks_start_with_torch_dynamo_loaded_and_import_techniques_afresh"],
     ),
+    Mutation(
+        "issue 33: a rank does not freeze what the forkserver imported (gc walks it)",
+        "minitrain/runtime/rank.py",
+        "    gc.freeze()\n",
+        "",
+        ["tests/test_launch.py::test_ranks_start_with_torch_dynamo_loaded_and_import_techniques_afresh"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

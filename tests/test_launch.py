@@ -37,17 +37,21 @@ def _rank_processes():
 def _what_a_rank_starts_with():
     techniques = sorted(m for m in sys.modules if m.startswith("minitrain.")
                         and not m.startswith(("minitrain.runtime", "minitrain.course")))
-    return "torch._dynamo" in sys.modules, techniques
+    import gc
+
+    return "torch._dynamo" in sys.modules, techniques, gc.get_freeze_count()
 
 
 def test_ranks_start_with_torch_dynamo_loaded_and_import_techniques_afresh():
     """Every torch optimizer imports torch._dynamo on first use (1.3 CPU-seconds, ~800
     modules): the forkserver loads it once, so a rank does not (issue 33: most of a small
     launch's cost). Technique modules are not preloaded: a learner's edited file must be the
-    one a rank runs."""
-    for dynamo_loaded, techniques in launch(_what_a_rank_starts_with, 2):
+    one a rank runs. What was imported before the rank's function is frozen (gc.freeze): the
+    cyclic collector's full passes do not walk torch's million objects again and again."""
+    for dynamo_loaded, techniques, frozen in launch(_what_a_rank_starts_with, 2):
         assert dynamo_loaded
         assert techniques == []
+        assert frozen > 100_000
 
 
 def test_returns_values_in_rank_order_and_matches_torch_all_reduce():
