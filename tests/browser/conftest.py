@@ -12,7 +12,14 @@ from __future__ import annotations
 import time
 
 import pytest
-from jupyter_browser import SCREENSHOTS, JupyterLab, course_copy, find_chromium, launch_browser
+from jupyter_browser import (
+    SCREENSHOTS,
+    JupyterLab,
+    LabTab,
+    course_copy,
+    find_chromium,
+    launch_browser,
+)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -52,6 +59,15 @@ def browser():
         chromium = launch_browser(pw)
         yield chromium
         chromium.close()
+
+
+@pytest.fixture(scope="session")
+def lab_tab(browser):
+    """One page per pytest process in which the course's notebooks open one after another
+    (JupyterLab loaded once: ``LabTab``)."""
+    tab = LabTab(browser)
+    yield tab
+    tab.close()
 
 
 @pytest.fixture(scope="session")

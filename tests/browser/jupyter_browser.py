@@ -22,6 +22,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -159,12 +160,13 @@ class NotebookReport:
 
 
 # JavaScript run in the page (JupyterLab's own objects, see the module docstring)
-_READY = """async () => {
+_READY = """async (path) => {
   const app = window.jupyterapp;
   if (!app) return false;
   await app.restored;
   const panel = app.shell.currentWidget;
   if (!panel || !panel.sessionContext || !panel.content || !panel.content.widgets) return false;
+  if (!panel.context || panel.context.path !== path) return false;  // still the one before
   if (!app.commands.hasCommand('notebook:run-all-cells')) return false;
   window.__minitrainPanel = panel;  // the shell's current widget follows focus; this does not
   await panel.context.ready; await panel.sessionContext.ready;
@@ -219,19 +221,67 @@ _SHOWN = """e => {
 }"""
 
 
-class NotebookPage:
-    """One notebook open in a Chromium page of ``lab``."""
+class LabTab:
+    """One Chromium page that loads JupyterLab once; notebooks then open in it one after another.
 
-    def __init__(self, browser, lab: JupyterLab, path: str, viewport=(1280, 900)):
-        self.page = browser.new_page(viewport={"width": viewport[0], "height": viewport[1]})
+    Loading JupyterLab costs Chromium about 4 CPU-seconds per page, opening a notebook in a
+    loaded lab about 1 (measured here, a one-cell notebook, kernel start included): over
+    make test's twelve notebooks, a minute of a 2-core machine. A notebook whose check raised
+    leaves the page to be closed; the next one loads JupyterLab afresh."""
+
+    def __init__(self, browser, viewport=(1280, 900)):
+        self.browser, self.viewport = browser, viewport
+        self.page, self.loaded = None, False
+
+    def take(self):
+        """The page, and whether JupyterLab is already loaded in it."""
+        if self.page is None or self.page.is_closed():
+            self.page = self.browser.new_page(
+                viewport={"width": self.viewport[0], "height": self.viewport[1]})
+            self.loaded = False
+        return self.page, self.loaded
+
+    def give_back(self, clean: bool) -> None:
+        """``clean``: the notebook was closed (kernel shut down, panel disposed) without error."""
+        self.loaded = clean
+        if not clean:
+            self.close()
+
+    def close(self) -> None:
+        if self.page is not None and not self.page.is_closed():
+            self.page.close()
+        self.page, self.loaded = None, False
+
+
+class NotebookPage:
+    """One notebook open in a Chromium page of ``lab``: a new page, or the next notebook of a
+    ``LabTab``'s."""
+
+    def __init__(self, browser, lab: JupyterLab, path: str, viewport=(1280, 900),
+                 tab: LabTab | None = None):
+        self.tab = tab
+        if tab is None:
+            self.page = browser.new_page(viewport={"width": viewport[0], "height": viewport[1]})
+            self._lab_loaded = False
+        else:
+            self.page, self._lab_loaded = tab.take()
         self.lab, self.path = lab, path
         self.name = Path(path).stem
 
     def open(self, timeout: float = 90) -> None:
-        self.page.goto(self.lab.page_url(f"lab/tree/{self.path}"), timeout=timeout * 1000)
+        if self._lab_loaded:  # the tab's JupyterLab opens it, as a double-click would
+            self.page.evaluate("async (path) => { await window.jupyterapp.commands.execute("
+                               "'docmanager:open', {path}); }", self.path)
+        else:
+            # a workspace of its own: JupyterLab restores a workspace's earlier tabs, so in the
+            # shared default one every page re-opened (and re-rendered, and started a kernel
+            # for) each notebook checked before it
+            workspace = f"{self.name}-{uuid.uuid4().hex[:8]}"
+            url = self.lab.page_url(f"lab/workspaces/{workspace}/tree/{self.path}")
+            self.page.goto(url, timeout=timeout * 1000)
         # (wait_for_function would take an async predicate's promise for a true value)
         deadline = time.monotonic() + timeout
-        while not self.page.evaluate(_READY):
+        while not self.page.evaluate(_READY, self.path):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.path}: its kernel was not ready within {timeout:.0f} s")
             time.sleep(0.5)
@@ -379,14 +429,21 @@ class NotebookPage:
         return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
 
     def close(self) -> None:
-        """Shut the kernel down and close the tab (the next notebook gets the cores)."""
+        """Shut the kernel down (the next notebook gets the cores) and close the notebook; its
+        own page is closed too, a ``LabTab``'s is kept for the next notebook."""
+        clean = False
         try:
             self.page.evaluate(
                 """async () => { const p = window.__minitrainPanel;
-                   if (p) { await p.sessionContext.shutdown(); p.dispose(); } }"""
+                   if (p) { await p.sessionContext.shutdown(); p.dispose(); }
+                   window.__minitrainPanel = null; }"""
             )
+            clean = True
         finally:
-            self.page.close()
+            if self.tab is None:
+                self.page.close()
+            else:
+                self.tab.give_back(clean)
 
 
 def tiny_notebook(path: Path, *code_cells: str, slides: bool = True) -> Path:

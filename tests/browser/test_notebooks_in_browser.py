@@ -33,9 +33,10 @@ def committed_widgets(path: Path) -> int:
 
 @pytest.mark.timeout(RUN_TIMEOUT + 300)
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_notebook_runs_and_every_widget_responds(path, lab, browser, shots, record_property):
+def test_notebook_runs_and_every_widget_responds(path, lab, browser, lab_tab, shots,
+                                                 record_property):
     t0 = time.perf_counter()
-    page = NotebookPage(browser, lab, f"notebooks/{path.name}")
+    page = NotebookPage(browser, lab, f"notebooks/{path.name}", tab=lab_tab)
     try:
         page.open()
         page.run_all(RUN_TIMEOUT)
