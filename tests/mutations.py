@@ -1400,6 +1400,20 @@ MUTATIONS = [
         "",
         ["tests/test_launch.py::test_ranks_start_with_torch_dynamo_loaded_and_import_techniques_afresh"],
     ),
+    Mutation(
+        "issue 33: replicas' start-up broadcast copies every tensor back from the chunk's start",
+        "minitrain/ddp/replicas.py",
+        "        offset += t.numel()\n",
+        "        pass\n",
+        ["tests/test_ddp.py::test_replicas_start_equal_in_one_message_per_dtype_and_chunk"],
+    ),
+    Mutation(
+        "issue 33: replicas' start-up broadcast sends one message per tensor again",
+        "minitrain/ddp/replicas.py",
+        "            if sum(c.numel() * c.element_size() for c in chunk) >= BROADCAST_CHUNK_BYTES:",
+        "            if True:",
+        ["tests/test_ddp.py::test_replicas_start_equal_in_one_message_per_dtype_and_chunk"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

@@ -308,3 +308,42 @@ def test_no_sync_leaves_local_gradients_then_averages_their_sum():
     assert any(not torch.allclose(a, b) for a, b in zip(inside0, inside1)), (
         "inside no_sync both ranks hold the same gradient: it was averaged, not local"
     )
+
+
+def _broadcast_replicas(chunk_bytes):
+    """Every rank's module differs; after broadcast_from_first_rank every replica is rank 0's
+    (parameters of two dtypes, a buffer, a skipped parameter kept), in one message per dtype
+    and chunk: the messages sent are counted."""
+    from minitrain.ddp import replicas
+
+    rank = dist.get_rank()
+    torch.manual_seed(rank)
+    module = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2).double(), nn.BatchNorm1d(2).double())
+    module[2].num_batches_tracked.fill_(7 + rank)  # an int64 buffer
+    own = nn.Parameter(torch.full((4,), float(rank), device="cpu"))  # not a replica: skipped
+    module.register_parameter("own", own)
+    replicas.BROADCAST_CHUNK_BYTES = chunk_bytes
+    sent, broadcast = [], dist.broadcast
+    replicas.dist.broadcast = lambda t, *a, **k: (sent.append(t.numel()), broadcast(t, *a, **k))[1]
+    try:
+        replicas.broadcast_from_first_rank(module, skip=[own])
+    finally:
+        replicas.dist.broadcast = broadcast
+    state = {k: v.clone() for k, v in module.state_dict().items()}
+    return state, sent
+
+
+@pytest.mark.parametrize("chunk_bytes", [64 * 1024 * 1024, 1])
+def test_replicas_start_equal_in_one_message_per_dtype_and_chunk(chunk_bytes):
+    states = launch(_broadcast_replicas, 3, chunk_bytes)
+    torch.manual_seed(0)  # rank 0's module, built again here: the reference
+    ref = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 2).double(), nn.BatchNorm1d(2).double())
+    for rank, (state, sent) in enumerate(states):
+        for k, v in ref.state_dict().items():
+            expected = torch.tensor(7) if k.endswith("num_batches_tracked") else v
+            assert torch.equal(state[k], expected), (rank, k)
+        assert torch.equal(state["own"], torch.full((4,), float(rank))), rank  # skipped: its own
+        if chunk_bytes > 1:  # float32, float64, int64: three messages for nine tensors
+            assert sorted(sent) == [1, 3 * 5 + 5, 5 * 2 + 2 + 4 * 2], sent
+        else:  # every tensor fills a chunk of its own
+            assert len(sent) == 9, sent

@@ -14,18 +14,41 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+BROADCAST_CHUNK_BYTES = 64 * 1024 * 1024  # at most this much copied at once (a large model's memory)
+
 
 def broadcast_from_first_rank(module: nn.Module, group: ProcessGroup | None = None,
                               skip=()) -> None:
     """Make every rank's copy of ``module`` (parameters and buffers) equal to that of the
     group's first rank: replicas must start equal (chapter 4's DDP, chapter 5's ZeRO).
-    ``skip``: parameters that are not replicas (an expert-parallel rank's own experts)."""
+    ``skip``: parameters that are not replicas (an expert-parallel rank's own experts).
+
+    One message per chunk of up to ``BROADCAST_CHUNK_BYTES`` of tensors of one dtype and
+    device, not one per tensor: each collective pays the per-message latency α, and a model
+    has hundreds of small tensors (torch DDP coalesces its start-up broadcast the same way)."""
     src = 0 if group is None else dist.get_global_rank(group, 0)
     skipped = {id(t) for t in skip}
+    chunks: dict[tuple, list[torch.Tensor]] = {}  # (dtype, device) -> the open chunk
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
-            if id(t) not in skipped:
-                dist.broadcast(t.data, src, group=group)
+            if id(t) in skipped:
+                continue
+            chunk = chunks.setdefault((t.dtype, t.device), [])
+            chunk.append(t.data)
+            if sum(c.numel() * c.element_size() for c in chunk) >= BROADCAST_CHUNK_BYTES:
+                _broadcast_flat(chunks.pop((t.dtype, t.device)), src, group)
+        for chunk in chunks.values():
+            _broadcast_flat(chunk, src, group)
+
+
+def _broadcast_flat(tensors: list[torch.Tensor], src: int, group) -> None:
+    """Broadcast ``tensors`` (one dtype and device) as one flat message, copied back in place."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])  # on the tensors' own device
+    dist.broadcast(flat, src, group=group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def check_replicas_match(params: list[nn.Parameter], group: ProcessGroup | None = None) -> None:
