@@ -149,8 +149,8 @@ MUTATIONS = [
     Mutation(
         "DDP: unused parameter given a zero gradient",
         DDP_BUCKETS,
-        "if self.used[k] == 0:",
-        "if False:",
+        "            if used[k] == 0:",
+        "            if False:",
         [f"{COMPOSE}::test_ddp_unused_parameters_match_torch_ddp[2-torch]"],
     ),
     Mutation(
@@ -1413,6 +1413,13 @@ MUTATIONS = [
         "            if sum(c.numel() * c.element_size() for c in chunk) >= BROADCAST_CHUNK_BYTES:",
         "            if True:",
         ["tests/test_ddp.py::test_replicas_start_equal_in_one_message_per_dtype_and_chunk"],
+    ),
+    Mutation(
+        "issue 33: an untraced DDP all-reduce still stamps its end from a callback on gloo's thread",
+        "minitrain/ddp/gradient_bucket.py",
+        "    if not trace.enabled():\n",
+        "    if False:\n",
+        ["tests/test_ddp.py::test_an_untraced_all_reduce_runs_no_python_on_the_communication_thread"],
     ),
 ]
 

@@ -347,3 +347,38 @@ def test_replicas_start_equal_in_one_message_per_dtype_and_chunk(chunk_bytes):
             assert sorted(sent) == [1, 3 * 5 + 5, 5 * 2 + 2 + 4 * 2], sent
         else:  # every tensor fills a chunk of its own
             assert len(sent) == 9, sent
+
+
+class _Work:
+    """A finished all-reduce whose future must not be asked for (see the test below)."""
+
+    def __init__(self):
+        self.futures = 0
+
+    def wait(self):
+        return True
+
+    def get_future(self):
+        self.futures += 1
+        future = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+
+def test_an_untraced_all_reduce_runs_no_python_on_the_communication_thread():
+    """Tracing stamps an all-reduce's end from a callback on gloo's thread (exact timelines);
+    untraced — the benchmark's timed steps, a training run that turned tracing off — no
+    callback is attached, so gloo never waits for the interpreter."""
+    from minitrain.ddp.gradient_bucket import torch_wait
+    from minitrain.runtime import trace
+
+    work = _Work()
+    try:
+        trace.enable(False)
+        torch_wait(work)()
+        assert work.futures == 0
+        trace.enable(True)
+        torch_wait(work)()
+        assert work.futures == 1
+    finally:
+        trace.enable(True)

@@ -98,7 +98,8 @@ def _build(name, kwargs, config, bucket_mb):
 
 
 def _rank_measure(variants, config, bucket_mb, steps, batch):
-    """Per variant: the step times (this rank) and the trace events of every measured step."""
+    """Per variant: the step times (this rank) of ``steps`` untraced steps and the trace
+    events of as many traced ones."""
     from minitrain.model import lm_loss
 
     torch.manual_seed(1 + dist.get_rank())
@@ -113,13 +114,18 @@ def _rank_measure(variants, config, bucket_mb, steps, batch):
     times = {name: [] for name in models}
     step_events = {name: [] for name in models}
     names = list(models)
-    for step in range(steps + 2):  # two warm-up steps
+    # two warm-up rounds, then timed rounds and traced rounds taking turns: the times come
+    # from untraced steps (torch DDP records nothing, and tracing DataParallel's all-reduces
+    # has a cost: gradient_bucket.torch_wait), the timelines and hidden shares from traced ones
+    for step in range(2 * steps + 2):
+        traced = step >= 2 and step % 2 == 1
         # who goes first rotates: no variant always runs right after another's (the caches
         # and the scheduler's state it leaves), torch DDP included
         for name in names[step % len(names):] + names[:step % len(names)]:
             model = models[name]
             dist.barrier()
             trace.reset()
+            trace.enable(traced)
             start = device_clock(device)
             with trace.span("forward", "compute"):
                 loss = lm_loss(model(x), y)
@@ -132,9 +138,11 @@ def _rank_measure(variants, config, bucket_mb, steps, batch):
                 opts[name].step()
                 opts[name].zero_grad()
             elapsed = device_clock(device) - start
-            if step >= 2:
-                times[name].append(elapsed)
+            if traced:
                 step_events[name].append(trace.events())
+            elif step >= 2:
+                times[name].append(elapsed)
+    trace.enable(True)
     n_buckets = {name: len(m.buckets) for name, m in models.items() if name != TORCH_DDP}
     return {"times": times, "events": step_events, "buckets": n_buckets,
             **_parameter_differences(models, initial)}

@@ -45,6 +45,12 @@ def enable(on: bool = True) -> None:
     _enabled = on
 
 
+def enabled() -> bool:
+    """Whether ``record`` keeps events: code whose measuring itself costs (a callback on a
+    communication thread) measures only then."""
+    return _enabled
+
+
 def events() -> list[Event]:
     """A copy of the events recorded in this process, in the order they started."""
     return sorted(_events, key=lambda e: e.start)
