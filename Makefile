@@ -72,7 +72,7 @@ nbval: $(READY)
 # Every notebook: Run All with two threads (BROWSER_THREADS), no error shown, every output nbval
 # compares equal to the committed one, each widget's controls moved and its view changed;
 # the check itself (a notebook of broken widgets must be reported) and lecture mode. Two
-# pytest-xdist workers, each its own JupyterLab and Chromium: about 9 minutes on 2 cores in make test,
+# pytest-xdist workers, each its own JupyterLab and Chromium page: about 7 minutes on 2 cores in make test,
 # bounded by BROWSER_TIME_LIMIT (15 minutes: in make test it shares the cores with the unit
 # tests; the pass fails, saying so, when it runs out).
 # OMP_WAIT_POLICY=PASSIVE: an idle OpenMP thread sleeps instead of spinning for the next op

@@ -100,29 +100,12 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
 
 
 def max_abs_difference(a: dict, b: dict) -> float:
-    """The largest |a[name] - b[name]| over every element of every tensor of ``a`` (0.0 for an
-    empty ``a``): how far apart two sets of full parameters ended (minitrain's and torch's
-    after the same steps), or how far training moved them (``b`` the initial ones) — the
-    second says whether the first's agreement means anything.
+    """``minitrain.runtime.max_abs_difference``: the largest |a[name] - b[name]| over every
+    element of every tensor of ``a`` (imported when called: ``python -m minitrain.bench``
+    lists without importing torch)."""
+    from minitrain.runtime.compare import max_abs_difference as compare
 
-    ``b`` must hold each of ``a``'s names with the same shape (a name missing or a shape that
-    would broadcast is an error naming it). Differences are taken in
-    ``promote_types(dtype, float32)``: a bf16 difference would round away what it measures."""
-    import torch  # here, not at the top: ``python -m minitrain.bench`` lists without torch
-
-    worst = 0.0
-    for name, x in a.items():
-        if name not in b:
-            raise KeyError(f"max_abs_difference: {name!r} is in the first set, not the second")
-        y = b[name]
-        if x.shape != y.shape:
-            raise ValueError(f"max_abs_difference: {name!r} has shape {tuple(x.shape)} in the "
-                             f"first set, {tuple(y.shape)} in the second")
-        if x.numel():
-            wide = torch.promote_types(torch.promote_types(x.dtype, y.dtype), torch.float32)
-            diff = x.detach().to(wide) - y.detach().to(device=x.device, dtype=wide)
-            worst = max(worst, diff.abs().max().item())
-    return worst
+    return compare(a, b)
 
 
 def _fmt(value) -> str:

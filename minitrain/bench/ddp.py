@@ -6,8 +6,9 @@ Trains the course's GPT with every variant of ``minitrain.ddp.VARIANTS``, the bu
 one also on the ring all-reduce, and torch's ``DistributedDataParallel`` with the same
 bucket size (gloo, world 2), all from the same initial weights on the same batches. The
 variants take turns step by step, so a slow moment of the machine hits them all alike;
-each step's time is the slowest rank's. Printed per variant: the median step time, its
-ratio to torch DDP's median, the median of the per-step ratios (each step against torch
+each step's time is the slowest rank's, timed on untraced steps (timelines and the hidden
+share come from traced steps taken in turn: recording costs DataParallel a few per cent).
+Printed per variant: the median step time, its ratio to torch DDP's median, the median of the per-step ratios (each step against torch
 DDP's step of the same round: the number to quote), the share of communication time hidden
 behind backward, and the largest difference of its parameters from torch DDP's after the
 last step next to how far they moved. Target (issue 33): bucketed, overlapped ≤ 1.05×

@@ -17,6 +17,7 @@ from minitrain.runtime import (
     device_clock,
     get_device,
     launch,
+    max_abs_difference,
     median_and_quartiles,
     summarize_step_times,
     trace,
@@ -156,10 +157,9 @@ def _parameter_differences(models: dict, initial: dict) -> dict:
     reference = final.get(TORCH_DDP)
     diffs, moved = {}, {}
     for name, params in final.items():
-        moved[name] = max((q.detach() - initial[k]).abs().max().item() for k, q in params.items())
+        moved[name] = max_abs_difference(params, initial)
         if reference is not None and name != TORCH_DDP:
-            diffs[name] = max((q.detach() - reference[k].detach()).abs().max().item()
-                              for k, q in params.items())
+            diffs[name] = max_abs_difference(params, reference)
     return {"max_diff": diffs, "moved": moved}
 
 

@@ -16,6 +16,7 @@ Notebook 00 teaches it; every multi-process chapter uses it.
 """
 
 from minitrain.runtime.communication_log import COMMUNICATION_LOG, CommunicationLog, Message
+from minitrain.runtime.compare import max_abs_difference
 from minitrain.runtime.launch import RankResults, add_rank_initializer, launch, run
 from minitrain.runtime.launch_errors import LaunchError
 from minitrain.runtime.rank import (
@@ -34,6 +35,7 @@ from minitrain.runtime.timing import (
 )
 
 __all__ = [
+    "max_abs_difference",
     "COMMUNICATION_LOG",
     "CommunicationLog",
     "Message",
