@@ -1421,6 +1421,13 @@ MUTATIONS = [
         "    if False:\n",
         ["tests/test_ddp.py::test_an_untraced_all_reduce_runs_no_python_on_the_communication_thread"],
     ),
+    Mutation(
+        "issue 33: DDP's used flags, kept in a list during backward, never reach the all-reduce",
+        "minitrain/ddp/gradient_bucket.py",
+        "        self.used.copy_(torch.tensor(self.used_here, dtype=self.used.dtype, device=\"cpu\"))\n",
+        "",
+        [f"{COMPOSE}::test_ddp_unused_parameters_match_torch_ddp[2-torch]"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

@@ -165,7 +165,7 @@ class DataParallel(nn.Module):
         # flag "used" first: _on_grad_ready may launch the bucket's all-reduce at once. Flagged
         # under no_sync too, so accumulated gradients count as used at the next synchronisation.
         bucket, k = self._location[param]
-        bucket.used[k] = 1
+        bucket.used_here[k] = 1.0
         # looked up at call time, so a grader's patched _on_grad_ready is the one that runs
         self._on_grad_ready(param)
         # the last gradient produced ends backward's compute: what autograd does between it

@@ -46,8 +46,11 @@ class GradientBucket:
         # each parameter's slice, made once: a slice per gradient per step is Python work in
         # backward's hooks, which torch DDP's C++ reducer does not pay
         self._views = [self.buffer[a:b] for a, b in zip(self.offsets, self.offsets[1:])]
-        # the flags: small integer counts, exact in any float dtype (bf16: up to 256 ranks)
+        # the flags: small integer counts, exact in any float dtype (bf16: up to 256 ranks).
+        # Backward's hooks set them in a Python list (a tensor element per gradient would be
+        # a dispatcher call each); the list is written into the buffer once, at launch
         self.used = self.buffer[self.offsets[-1] :]
+        self.used_here = [0.0] * len(params)
         self.ready = 0  # parameters whose gradient has been copied in this step
         self.wait = None  # waits for the running all-reduce, returns when it ended
         self.launched_at = 0.0
@@ -55,7 +58,7 @@ class GradientBucket:
     def reset(self) -> None:
         """Empty for the next step: no gradient copied in, no all-reduce running, none used."""
         self.ready, self.wait = 0, None
-        self.used.zero_()
+        self.used_here = [0.0] * len(self.params)
 
     def view(self, k: int) -> torch.Tensor:
         """The slice of the buffer that holds parameter k's gradient."""
@@ -67,6 +70,7 @@ class GradientBucket:
         ``fn(tensor, group)``; ``executor``: the helper thread that runs the last two (one
         thread for all buckets, so they stay in order; unused with "torch")."""
         self.launched_at = trace.now()
+        self.used.copy_(torch.tensor(self.used_here, dtype=self.used.dtype, device="cpu"))
         if communication == "torch":
             work = dist.all_reduce(self.buffer, group=group, async_op=True)
             self.wait = torch_wait(work)
