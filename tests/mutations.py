@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
-COPIED = ("minitrain", "tests", "exercises", "solutions", "pyproject.toml")
+COPIED = ("minitrain", "tests", "exercises", "solutions", "notebooks", "pyproject.toml")
 
 
 class Mutation(NamedTuple):
@@ -1427,6 +1427,13 @@ MUTATIONS = [
         "        self.used.copy_(torch.tensor(self.used_here, dtype=self.used.dtype, device=\"cpu\"))\n",
         "",
         [f"{COMPOSE}::test_ddp_unused_parameters_match_torch_ddp[2-torch]"],
+    ),
+    Mutation(
+        "issue 33: browser pages share JupyterLab's default workspace (each restores the notebooks before it)",
+        "tests/browser/jupyter_browser.py",
+        'url = self.lab.page_url(f"lab/workspaces/{workspace}/tree/{self.path}")',
+        'url = self.lab.page_url(f"lab/tree/{self.path}")',
+        ["tests/browser/test_browser_check_catches_breakage.py::test_a_new_page_opens_its_notebook_alone"],
     ),
 ]
 

@@ -173,6 +173,8 @@ _READY = """async (path) => {
   const kernel = panel.sessionContext.session && panel.sessionContext.session.kernel;
   return !!kernel && kernel.connectionStatus === 'connected' && kernel.status === 'idle';
 }"""
+_OPEN_NOTEBOOKS = """() => Array.from(window.jupyterapp.shell.widgets('main'))
+  .filter(w => w.context && /[.]ipynb$/.test(w.context.path)).map(w => w.context.path)"""
 _RUN_ALL = "async () => await window.jupyterapp.commands.execute('notebook:run-all-cells')"
 _BUSY = """() => {
   const p = window.__minitrainPanel;
@@ -285,6 +287,12 @@ class NotebookPage:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.path}: its kernel was not ready within {timeout:.0f} s")
             time.sleep(0.5)
+        # this notebook alone: a page that restored a workspace's earlier tabs re-renders them
+        # and starts kernels for them, on the cores the notebook under test needs
+        others = [p for p in self.page.evaluate(_OPEN_NOTEBOOKS) if p != self.path]
+        if others:
+            raise RuntimeError(f"{self.path}: the page also has {', '.join(others)} open "
+                               "(restored from a shared workspace: each page needs its own)")
 
     def run_all(self, timeout: float) -> None:
         """Run All, then wait until the kernel is idle and no cell is waiting ([*])."""

@@ -5,6 +5,8 @@ a control the widget disabled)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from jupyter_browser import (
     DISABLED_CONTROL_WIDGET,
@@ -46,3 +48,24 @@ def test_broken_widgets_and_errors_are_reported_and_a_working_widget_is_not(cour
     assert not any(p.startswith("widget 6:") for p in report.problems), problems
     assert not any('"unused"' in c for c in report.controls), report.controls  # not moved
     assert len(report.errors) == 1 and "ZeroDivisionError" in report.errors[0], report.errors
+
+
+@pytest.mark.timeout(300)
+def test_a_new_page_opens_its_notebook_alone(course, lab, browser):
+    """A page restores its workspace's tabs: in a shared one, a second page would re-open,
+    re-render and start a kernel for the first page's notebook too (issue 33: in make test's
+    browser pass every notebook did so for the ones before it). ``open`` refuses that."""
+    first, second = course / "selftest" / "alone_1.ipynb", course / "selftest" / "alone_2.ipynb"
+    tiny_notebook(first, "print(1)")
+    tiny_notebook(second, "print(2)")
+    page = NotebookPage(browser, lab, str(first.relative_to(course)))
+    try:
+        page.open()
+        time.sleep(3)  # JupyterLab saves the workspace's layout, with the first notebook in it
+        other = NotebookPage(browser, lab, str(second.relative_to(course)))
+        try:
+            other.open()  # raises when the first notebook came back with this page
+        finally:
+            other.close()
+    finally:
+        page.close()
