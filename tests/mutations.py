@@ -1410,7 +1410,7 @@ MUTATIONS = [
     Mutation(
         "issue 33: replicas' start-up broadcast sends one message per tensor again",
         "minitrain/ddp/replicas.py",
-        "            if sum(c.numel() * c.element_size() for c in chunk) >= BROADCAST_CHUNK_BYTES:",
+        "            if filled[kind] >= BROADCAST_CHUNK_BYTES:",
         "            if True:",
         ["tests/test_ddp.py::test_replicas_start_equal_in_one_message_per_dtype_and_chunk"],
     ),
@@ -1424,7 +1424,7 @@ MUTATIONS = [
     Mutation(
         "issue 33: DDP's used flags, kept in a list during backward, never reach the all-reduce",
         "minitrain/ddp/gradient_bucket.py",
-        "        self.used.copy_(torch.tensor(self.used_here, dtype=self.used.dtype, device=\"cpu\"))\n",
+        "        self.used.copy_(torch.tensor(self.used_here, dtype=self.used.dtype, device=self.used.device))\n",
         "",
         [f"{COMPOSE}::test_ddp_unused_parameters_match_torch_ddp[2-torch]"],
     ),

@@ -70,7 +70,7 @@ class GradientBucket:
         ``fn(tensor, group)``; ``executor``: the helper thread that runs the last two (one
         thread for all buckets, so they stay in order; unused with "torch")."""
         self.launched_at = trace.now()
-        self.used.copy_(torch.tensor(self.used_here, dtype=self.used.dtype, device="cpu"))
+        self.used.copy_(torch.tensor(self.used_here, dtype=self.used.dtype, device=self.used.device))
         if communication == "torch":
             work = dist.all_reduce(self.buffer, group=group, async_op=True)
             self.wait = torch_wait(work)

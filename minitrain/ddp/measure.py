@@ -101,8 +101,6 @@ def _build(name, kwargs, config, bucket_mb):
 def _rank_measure(variants, config, bucket_mb, steps, batch):
     """Per variant: the step times (this rank) of ``steps`` untraced steps and the trace
     events of as many traced ones."""
-    from minitrain.model import lm_loss
-
     torch.manual_seed(1 + dist.get_rank())
     models = {name: _build(name, kw, config, bucket_mb) for name, kw in variants.items()}
     first = next(iter(models.values())).module  # every variant starts from these weights
@@ -112,6 +110,22 @@ def _rank_measure(variants, config, bucket_mb, steps, batch):
     # data on the CPU from the CPU generator (the same numbers on every device), then moved
     x = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]), device="cpu").to(device)
     y = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]), device="cpu").to(device)
+    was_tracing = trace.enabled()
+    try:
+        times, step_events = _take_turns(models, opts, x, y, steps)
+    finally:
+        trace.enable(was_tracing)  # the rounds turn tracing on and off
+    n_buckets = {name: len(m.buckets) for name, m in models.items() if name != TORCH_DDP}
+    return {"times": times, "events": step_events, "buckets": n_buckets,
+            **_parameter_differences(models, initial)}
+
+
+def _take_turns(models: dict, opts: dict, x, y, steps: int) -> tuple[dict, dict]:
+    """Each variant one step per round: {name: step times of the untraced rounds}, {name:
+    trace events of each traced round}."""
+    from minitrain.model import lm_loss
+
+    device = get_device()
     times = {name: [] for name in models}
     step_events = {name: [] for name in models}
     names = list(models)
@@ -143,10 +157,7 @@ def _rank_measure(variants, config, bucket_mb, steps, batch):
                 step_events[name].append(trace.events())
             elif step >= 2:
                 times[name].append(elapsed)
-    trace.enable(True)
-    n_buckets = {name: len(m.buckets) for name, m in models.items() if name != TORCH_DDP}
-    return {"times": times, "events": step_events, "buckets": n_buckets,
-            **_parameter_differences(models, initial)}
+    return times, step_events
 
 
 def _parameter_differences(models: dict, initial: dict) -> dict:

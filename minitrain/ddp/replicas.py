@@ -29,14 +29,17 @@ def broadcast_from_first_rank(module: nn.Module, group: ProcessGroup | None = No
     src = 0 if group is None else dist.get_global_rank(group, 0)
     skipped = {id(t) for t in skip}
     chunks: dict[tuple, list[torch.Tensor]] = {}  # (dtype, device) -> the open chunk
+    filled: dict[tuple, int] = {}  # (dtype, device) -> the open chunk's bytes
     with torch.no_grad():
         for t in list(module.parameters()) + list(module.buffers()):
             if id(t) in skipped:
                 continue
-            chunk = chunks.setdefault((t.dtype, t.device), [])
-            chunk.append(t.data)
-            if sum(c.numel() * c.element_size() for c in chunk) >= BROADCAST_CHUNK_BYTES:
-                _broadcast_flat(chunks.pop((t.dtype, t.device)), src, group)
+            kind = (t.dtype, t.device)
+            chunks.setdefault(kind, []).append(t.data)
+            filled[kind] = filled.get(kind, 0) + t.numel() * t.element_size()
+            if filled[kind] >= BROADCAST_CHUNK_BYTES:
+                _broadcast_flat(chunks.pop(kind), src, group)
+                del filled[kind]
         for chunk in chunks.values():
             _broadcast_flat(chunk, src, group)
 
