@@ -149,21 +149,37 @@ class ExpertGradients:
     ranks whose tokens it served; the ranks holding the same experts (``expert_dp``) each
     have such a sum. The gradient of the mean loss over dp × cp ranks is then their sum over
     ``expert_dp`` divided by dp × cp: one flat all-reduce after backward. Data parallelism
-    leaves these parameters alone (``DataParallel(ignored_params=...)``)."""
+    leaves these parameters alone (``DataParallel(ignored_params=...)``).
+
+    The sum is taken in ``promote_types(dtype, fp32)``. With fp32 masters (bf16/fp16 compute,
+    chapter 2's ``MasterWeightOptimizer``) the average goes to the masters, in fp32
+    (``deliver_to``): the masters hear of other gradients through DDP's averaged-gradient
+    hook, which these parameters never reach — without it the experts would never train."""
 
     def __init__(self, params: list, group: ProcessGroup | None, replicas: int):
         self.params, self.group, self.replicas = params, group, replicas
+        self.masters = None  # a MasterWeightOptimizer taking the averages (deliver_to)
+
+    def deliver_to(self, masters) -> None:
+        """Hand each average to ``masters.add_gradient(param, grad)`` instead of ``.grad``."""
+        self.masters = masters
 
     @torch.no_grad()
     def average(self) -> None:
+        acc = torch.promote_types(self.params[0].dtype, torch.float32)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.cat([g.reshape(-1).to(acc) for g in grads])
         dist.all_reduce(flat, group=self.group)
         flat /= self.replicas
         offset = 0
-        for p, g in zip(self.params, grads):
-            p.grad = flat[offset:offset + g.numel()].view_as(p).clone()
-            offset += g.numel()
+        for p in self.params:
+            average = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if self.masters is not None:
+                self.masters.add_gradient(p, average)
+                p.grad = None
+            else:
+                p.grad = average.to(p.dtype)
 
 
 def apply_expert_parallel(model: GPT, mesh: DeviceMesh, ep: int) -> ExpertGradients | None:
@@ -281,6 +297,8 @@ def parallelize(model: GPT, mesh: DeviceMesh, layout: dict, lr: float = 1e-3,
                                              OPTIMIZERS[lo["optimizer"]], lr, stage,
                                              PRECISIONS[lo["precision"]],
                                              experts.params if experts else ())
+    if experts is not None and isinstance(optimizer, MasterWeightOptimizer):
+        experts.deliver_to(optimizer)  # the experts' averages to their fp32 masters
     return Parallelized(model, wrapped, optimizer, loss_fn, dp_group,
                         dist.get_world_size(dp_group), stage, context, scaler, dense_numels,
                         tp_group, experts)

@@ -18,13 +18,12 @@ import torch
 from torch import nn
 
 
-def _accumulate_into_master(master: torch.Tensor, param: torch.Tensor) -> None:
-    # Called once param.grad is complete (alone: by autograd; under DataParallel: once the
-    # average is written): move it into an fp32 buffer, so gradient accumulation over
-    # micro-batches happens in fp32 and the low-precision grad is freed.
-    grad = param.grad.to(torch.float32)
+def _accumulate_into_master(master: torch.Tensor, grad: torch.Tensor) -> None:
+    # Called once a gradient is complete (alone: by autograd; under DataParallel: once the
+    # average is written): add it into an fp32 buffer, so gradient accumulation over
+    # micro-batches happens in fp32.
+    grad = grad.to(torch.float32)
     master.grad = grad if master.grad is None else master.grad.add_(grad)
-    param.grad = None
 
 
 class MasterWeightOptimizer:
@@ -54,10 +53,11 @@ class MasterWeightOptimizer:
             p.detach().to(torch.float32).clone().requires_grad_(True) for p in self.model_params
         ]
         self.optimizer = optimizer_cls(self.master_params, **kw)
-        master_of = dict(zip(self.model_params, self.master_params))  # Parameters hash by id
+        self._master_of = dict(zip(self.model_params, self.master_params))  # hash by id
 
-        def move(param):
-            _accumulate_into_master(master_of[param], param)
+        def move(param):  # the low-precision grad is freed once in the master
+            self.add_gradient(param, param.grad)
+            param.grad = None
 
         # duck-typed, so chapter 2 needs nothing from chapter 4: a DataParallel offers the hook
         averaged_hook = getattr(model, "register_averaged_grad_hook", None)
@@ -66,6 +66,13 @@ class MasterWeightOptimizer:
         else:
             for p in self.model_params:
                 p.register_post_accumulate_grad_hook(move)  # alone: this gradient is final
+
+    def add_gradient(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """Add ``grad`` (any dtype; fp32 keeps every digit) into ``param``'s master gradient:
+        for a gradient finished outside the model's hooks, such as chapter 8's expert
+        parameters averaged over their own group (``minitrain.parallel``'s
+        ``ExpertGradients``), which the data-parallel wrapper leaves alone."""
+        _accumulate_into_master(self._master_of[param], grad)
 
     @property
     def param_groups(self):
