@@ -100,6 +100,16 @@ def test_weights_are_renormalised_and_bias_only_chooses():
     torch.testing.assert_close(w, rw.float())
 
 
+def test_load_is_counted_only_for_the_bias_that_reads_it():
+    """Issue 40: in aux-loss mode nothing ever reset ``observed_load``: it grew for ever."""
+    layer = MoELayer(4, 8, 4, top_k=2)  # balancing="aux_loss"
+    layer(torch.randn(6, 4, device="cpu"))
+    assert layer.router.observed_load.sum() == 0
+    biased = MoELayer(4, 8, 4, top_k=2, balancing="bias")
+    biased(torch.randn(6, 4, device="cpu"))
+    assert biased.router.observed_load.sum() == 12  # 6 tokens × 2 choices
+
+
 def test_bias_update_follows_the_load():
     layer = MoELayer(4, 8, 4, balancing="bias", bias_update_rate=0.1)
     layer.router.update_bias(torch.tensor([10.0, 0.0, 3.0, 3.0]))  # mean 4

@@ -162,8 +162,9 @@ class TopKRouter(nn.Module):
         if self.z_loss_weight:
             aux = aux + self.z_loss_weight * router_z_loss(logits)
         self.aux_loss = aux
-        if self.training:
-            # counted before dropping: the bias should see the demand, not what fitted
+        if self.training and self.balancing == "bias":  # its only reader: update_bias
+            # counted before dropping: the bias should see the demand, not what fitted (in
+            # other modes nothing resets it: it would grow for ever, past fp32's exact counts)
             self.observed_load += torch.bincount(indices.reshape(-1),
                                                  minlength=self.num_experts).float()
         return routing
