@@ -171,6 +171,33 @@ def test_prints_are_relayed_and_traces_returned(capsys):
     assert all(evs[0].duration >= 0.01 for evs in out.traces)
 
 
+def _write_to_descriptors():
+    os.write(2, f"fd 2 of rank {dist.get_rank()}\n".encode())  # as C code writes: past sys.stderr
+    os.write(1, f"fd 1 of rank {dist.get_rank()}\n".encode())
+    if dist.get_rank() == 1:
+        os.write(2, b"last words\n")
+        os._exit(3)
+    time.sleep(30)
+
+
+def test_what_a_rank_writes_to_its_file_descriptors_is_relayed_with_its_rank(capfd):
+    """Issue 41: c10d's and NCCL's warnings are written by C++ to file descriptor 2, which
+    sys.stderr's redirection does not see: they reached the caller's stream unlabelled (in a
+    notebook, a cell nbval compares). Now relayed like prints, and shown when a rank dies."""
+    out = launch(_print_and_write, 2)
+    printed = capfd.readouterr().out.splitlines()
+    assert printed == ["[rank 0] print of rank 0", "[rank 0] fd 2 of rank 0",
+                       "[rank 1] print of rank 1", "[rank 1] fd 2 of rank 1"]
+    assert out.output == ["print of rank 0\nfd 2 of rank 0\n", "print of rank 1\nfd 2 of rank 1\n"]
+    with pytest.raises(LaunchError, match=r"(?s)rank 1 died \(exit code 3\).*\n\[rank 1\] last words"):
+        launch(_write_to_descriptors, 2, timeout=20)
+
+
+def _print_and_write():
+    print(f"print of rank {dist.get_rank()}")
+    os.write(2, f"fd 2 of rank {dist.get_rank()}\n".encode())
+
+
 def test_fifty_launches_leave_no_process_port_or_file_behind(tmp_path, monkeypatch):
     launch(_rank_and_sum, 2, 0)  # start the forkserver first
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where launch keeps its files

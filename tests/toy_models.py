@@ -98,3 +98,36 @@ class Branched(nn.Module):
 
     def forward(self, x, branch):
         return self.branch(branch)(self.trunk(torch.tanh(self.inp(x)))) * self.gain
+
+
+class PerRankBranches(nn.Module):
+    """A trunk, then rank r's rows through branch r only, whose output *is* the model's
+    output (issue 40: that branch's backward hook then fires before the output's). Branch i
+    is ``Linear(7, 4 + i) → Tanh → Linear(4 + i, 3)``: sizes differ, so a gather paired with
+    another branch's aborts instead of mixing data. ``n`` branches (one more than ranks: a
+    branch no rank runs), in an ``nn.ModuleList`` (``kind`` "list") or ``nn.ModuleDict``
+    ("dict"); ``trunk_first=False`` registers the branches before the trunk, so units run
+    out of their listed order."""
+
+    def __init__(self, n, kind="list", trunk_first=True):
+        super().__init__()
+        if kind not in ("list", "dict"):
+            raise ValueError(f"kind must be 'list' or 'dict', got {kind!r}")
+        self.kind = kind
+        made = [
+            nn.Sequential(nn.Linear(7, 4 + i), nn.Tanh(), nn.Linear(4 + i, 3)) for i in range(n)
+        ]
+        if not trunk_first:
+            self.branches = self._container(made)
+        self.trunk = nn.Linear(5, 7)
+        if trunk_first:
+            self.branches = self._container(made)
+
+    def _container(self, made):
+        if self.kind == "list":
+            return nn.ModuleList(made)
+        return nn.ModuleDict({f"b{i}": b for i, b in enumerate(made)})
+
+    def forward(self, x, branch):
+        b = self.branches[branch] if self.kind == "list" else self.branches[f"b{branch}"]
+        return b(torch.tanh(self.trunk(x)))

@@ -55,7 +55,8 @@ def wait_for_ranks(procs, conns, timeout, stack_dir):
                     msg = obj.recv()
                 except EOFError:  # the process ended without sending anything
                     procs[rank].join(timeout=1.0)
-                    raise LaunchError(_death_message(rank, procs[rank].exitcode), [rank]) from None
+                    raise LaunchError(_death_message(rank, procs[rank].exitcode, stack_dir),
+                                      [rank]) from None
                 messages[rank] = msg
                 sentinels.pop(procs[rank].sentinel, None)
                 if msg[0] == "error":
@@ -63,7 +64,8 @@ def wait_for_ranks(procs, conns, timeout, stack_dir):
             elif obj in sentinels:
                 rank = sentinels.pop(obj)
                 if rank in waiting.values() and not conns[rank].poll():
-                    raise LaunchError(_death_message(rank, procs[rank].exitcode), [rank])
+                    raise LaunchError(_death_message(rank, procs[rank].exitcode, stack_dir),
+                                      [rank])
     return messages
 
 
@@ -98,9 +100,20 @@ def _raised(rank, msg, waiting, grace: float = 0.2) -> LaunchError:
     )
 
 
-def _death_message(rank: int, code) -> str:
+def _death_message(rank: int, code, stack_dir: str | None = None) -> str:
+    """The rank, how it died, and the last lines it wrote to its file descriptors 1 and 2
+    (``rank.capture_file_descriptors``: an abort's or a segfault's own words are there)."""
     how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-    return f"rank {rank} died ({how}) before returning a result"
+    said = ""
+    if stack_dir is not None:
+        try:
+            with open(os.path.join(stack_dir, f"rank{rank}.out"), errors="replace") as fh:
+                tail = fh.read().strip().splitlines()[-20:]
+        except OSError:
+            tail = []
+        said = "".join(f"\n[rank {rank}] {line}" for line in tail)
+    return f"rank {rank} died ({how}) before returning a result" + (
+        f"; its last output:{said}" if said else "")
 
 
 def _stacks_of(procs, ranks, stack_dir) -> str:

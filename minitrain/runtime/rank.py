@@ -8,6 +8,7 @@ or from ``torchrun``'s environment (``init_from_env``), then runs the same funct
 
 from __future__ import annotations
 
+import ctypes
 import faulthandler
 import gc
 import io
@@ -92,6 +93,28 @@ def _leave_when_parent_goes(lifeline) -> None:
     threading.Thread(target=watch, name="minitrain-lifeline", daemon=True).start()
 
 
+def capture_file_descriptors(path: str) -> None:
+    """Point this process's file descriptors 1 and 2 at ``path`` (created afresh)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
+def captured_descriptors(path: str) -> str:
+    """What was written to file descriptors 1 and 2 so far (C's buffered stdout flushed first:
+    a rank leaves with ``os._exit``, which would drop it)."""
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # no C library to ask: nothing buffered to lose
+        pass
+    try:
+        with open(path, errors="replace") as fh:
+            return fh.read()
+    except OSError:
+        return ""
+
+
 def rank_main(
     rank, world_size, port, backend, payload, conn, stack_file, initializers, threads, timeout,
     lifeline=None,
@@ -104,6 +127,11 @@ def rank_main(
         _leave_when_parent_goes(lifeline)
     captured = io.StringIO()
     sys.stdout = sys.stderr = captured  # relayed to the parent, which prints "[rank r] ..."
+    # what C and C++ code writes (c10d's and NCCL's warnings, a library's printf) goes to file
+    # descriptors 1 and 2, past sys.stdout: into a file beside the stack file, relayed with
+    # the Python output, so it never lands unlabelled in the caller's terminal or notebook cell
+    descriptors_file = os.path.splitext(stack_file)[0] + ".out"
+    capture_file_descriptors(descriptors_file)
     # On SIGUSR1 write the Python stack to a file: how the parent shows where a stuck rank waits.
     stack_fh = open(stack_file, "w")  # noqa: SIM115 — must stay open for the signal handler
     faulthandler.register(signal.SIGUSR1, file=stack_fh, all_threads=False)
@@ -137,13 +165,15 @@ def rank_main(
                 f"the value returned by {getattr(fn, '__name__', fn)!r} on rank {rank} "
                 f"({type(result).__name__}) cannot be sent back to the parent: {exc}"
             ) from exc
-        message = ("ok", rank, result_bytes, trace.events(), captured.getvalue())
+        message = ("ok", rank, result_bytes, trace.events(),
+                   captured.getvalue() + captured_descriptors(descriptors_file))
     except BaseException as exc:
         # when it failed (CLOCK_MONOTONIC is shared by the processes of a machine): the
         # parent tells the rank that failed first from peers that failed because of it; the
         # class and text let a command report an expected error in one line
         kind = (f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc))
-        message = ("error", rank, traceback.format_exc(), [], captured.getvalue(),
+        message = ("error", rank, traceback.format_exc(), [],
+                   captured.getvalue() + captured_descriptors(descriptors_file),
                    time.monotonic(), kind)
     try:
         conn.send(message)
