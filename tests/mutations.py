@@ -73,6 +73,7 @@ CLIPPING, PRECISION_TESTS = "tests/test_train_clipping.py", "tests/test_train_pr
 G = "tests/grading/"  # issue 32: the graded tests of each chapter
 G4, G5 = G + "test_ch04_collectives_and_ddp.py", G + "test_ch05_zero.py"
 G7, G9 = G + "test_ch07_pipeline_parallel.py", G + "test_ch09_flash_attention.py"
+DROP = "tests/test_dropout_layouts.py::test_dropout_losses_equal_one_process"  # issue 40
 MUTATIONS = [
     Mutation(
         "no_sync no-op",
@@ -585,11 +586,11 @@ MUTATIONS = [
         "issue 26: FlashAttention tile scores upcast with .float()",
         "minitrain/flash_attention/tiles.py",
         "        k_j, v_j = k[..., j0:j1, :], v[..., j0:j1, :]\n"
-        "        s = (q_i @ k_j.transpose(-2, -1)).to(acc_dtype) * scale\n",
+        "        s = tile_matmul(q_i, k_j.transpose(-2, -1), acc_dtype) * scale\n",
         "        k_j, v_j = k[..., j0:j1, :], v[..., j0:j1, :]\n"
-        "        s = (q_i @ k_j.transpose(-2, -1)).float() * scale\n",
-        ["tests/test_wide_dtypes.py::test_flash_attention_float64_equals_sdpa",
-         "tests/test_wide_dtypes.py::test_ring_attention_and_context_parallel_gpt_float64_equal_one_process"],
+        "        s = tile_matmul(q_i, k_j.transpose(-2, -1), acc_dtype).float() * scale\n",
+        # fp64 takes the fused tiles (issue 33), so only this test runs the readable ones in fp64
+        ["tests/test_flash_attention.py::test_readable_tiles_keep_fp64_in_fp64"],
     ),
     Mutation(
         "issue 26: FlashAttention backward's D = rowsum(dO * O) in fp32",
@@ -1047,7 +1048,7 @@ MUTATIONS = [
     Mutation(
         "online softmax: p @ v uncast",
         "minitrain/flash_attention/tiles.py",
-        "(p.to(v.dtype) @ v).to(acc.dtype)",
+        "tile_matmul(p.to(v.dtype), v, acc.dtype)",
         "(p @ v)",
         [G9 + "::test_bf16_values_accumulate_in_fp32"],
     ),
@@ -1434,6 +1435,223 @@ MUTATIONS = [
         'url = self.lab.page_url(f"lab/workspaces/{workspace}/tree/{self.path}")',
         'url = self.lab.page_url(f"lab/tree/{self.path}")',
         ["tests/browser/test_browser_check_catches_breakage.py::test_a_new_page_opens_its_notebook_alone"],
+    ),
+    Mutation(
+        "issue 40: expert-parallel experts' averaged gradients never reach their fp32 masters",
+        "minitrain/parallel/parallelize.py",
+        "        experts.deliver_to(optimizer)  # the experts' averages to their fp32 masters\n",
+        "        pass\n",
+        ["tests/test_train_moe.py::test_expert_parallel_experts_train_in_low_precision[bf16]"],
+    ),
+    Mutation(
+        "issue 40: the global batch sharded rank first (a rank's micro-batch j is not one process's)",
+        "minitrain/parallel/trainer.py",
+        'starts = torch.arange(m, device="cpu") * (b // m) + r * per',
+        'starts = r * (b // d) + torch.arange(m, device="cpu") * per',
+        ["tests/test_train_moe.py::test_moe_layouts_equal_one_process[dp2-tp2-ep2-microbatches2-sgd]"],
+    ),
+    # issue 40, item 5: the command's tracebacks, silent acceptances, unclear messages, NaN
+    Mutation(
+        "issue 40: a non-finite loss trains on to the end (exit 0, NaN weights checkpointed)",
+        "minitrain/parallel/command.py",
+        "            if problem:\n",
+        "            if False:\n",
+        ["tests/test_train_refusals.py::test_a_non_finite_loss_stops_one_process_in_one_line",
+         "tests/test_train_refusals.py::test_a_non_finite_loss_stops_every_rank_at_its_step_in_one_line"],
+    ),
+    Mutation(
+        "issue 40: the fp16 run goes on after the loss scaler has given up",
+        "minitrain/parallel/command_errors.py",
+        "    if scale is not None and scale < MIN_LOSS_SCALE:",
+        "    if False:",
+        ["tests/test_train_refusals.py::test_fp16_stops_when_the_loss_scaler_gives_up"],
+    ),
+    Mutation(
+        "issue 40: the JSON log writes NaN (not JSON) for a non-finite loss",
+        "minitrain/parallel/command_errors.py",
+        "    return json.dumps(clean, allow_nan=False)",
+        "    return json.dumps(record)",
+        ["tests/test_train_refusals.py::test_divergence_rules_and_strict_json",
+         "tests/test_train_refusals.py::test_a_non_finite_loss_stops_one_process_in_one_line"],
+    ),
+    Mutation(
+        "issue 40: the composition check runs only inside the ranks (a traceback per rank)",
+        "minitrain/parallel/command.py",
+        "    check_composition_before_launch(parser, args)  # else a traceback on every rank\n",
+        "",
+        ["tests/test_train_refusals.py::test_compositions_are_refused_before_launch"],
+    ),
+    Mutation(
+        "issue 40: MoE flags without --moe-experts accepted silently",
+        "minitrain/parallel/command_checks.py",
+        '    if moe_given and not args["moe_experts"]:',
+        "    if False:",
+        ["tests/test_train_refusals.py::test_silent_acceptances_are_refused_naming_the_flag[top-k-without-experts]"],
+    ),
+    Mutation(
+        "issue 40: --min-lr above --lr accepted (the cosine rises)",
+        "minitrain/parallel/command_checks.py",
+        "    if min_lr_given and min_lr > lr:",
+        "    if False:",
+        ["tests/test_train_refusals.py::test_silent_acceptances_are_refused_naming_the_flag[min-lr-above-lr]"],
+    ),
+    Mutation(
+        "issue 40: a resume on another --data file or --clip-grad-norm accepted silently",
+        "minitrain/parallel/command.py",
+        "    identity.update(run_identity(args))  # --data (name, SHA-256) and --clip-grad-norm\n",
+        "",
+        ["tests/test_train_refusals.py::test_resume_on_another_data_file_or_clip_is_refused"],
+    ),
+    Mutation(
+        "issue 40: a seed mismatch on resume does not name --seed (says 'use the same layout')",
+        "minitrain/parallel/run_checkpoint.py",
+        'FLAG_OF = {"seed": "--seed", "batch_size": "--batch-size"}',
+        "FLAG_OF = {}",
+        ["tests/test_train_refusals.py::test_seed_model_and_layout_mismatches_name_the_flag"],
+    ),
+    # issue 40: 16-bit tiles' scores and products accumulated in fp32, as tensor cores do
+    Mutation(
+        "issue 40: flash forward's tile scores in the input dtype again",
+        "minitrain/flash_attention/tiles.py",
+        "        s = tile_matmul(q_i, k_j.transpose(-2, -1), acc_dtype) * scale\n",
+        "        s = (q_i @ k_j.transpose(-2, -1)).to(acc_dtype) * scale\n",
+        ["tests/test_flash_attention.py::test_16_bit_scores_accumulate_in_fp32_as_accurate_as_sdpa",
+         G9 + "::test_bf16_scores_accumulate_in_fp32"],
+    ),
+    Mutation(
+        "issue 40: flash backward's tile scores in the input dtype again",
+        "minitrain/flash_attention/tiles.py",
+        "    s = tile_matmul(q_i, k_j.transpose(-2, -1), acc_dtype) * scale\n    p = torch.exp(",
+        "    s = (q_i @ k_j.transpose(-2, -1)).to(acc_dtype) * scale\n    p = torch.exp(",
+        ["tests/test_flash_attention.py::test_16_bit_scores_accumulate_in_fp32_as_accurate_as_sdpa",
+         G9 + "::test_bf16_tile_gradients_accumulate_in_fp32"],
+    ),
+    Mutation(
+        "issue 40: online softmax's P V rounded to bf16 before the fp32 accumulator",
+        "minitrain/flash_attention/tiles.py",
+        "tile_matmul(p.to(v.dtype), v, acc.dtype)",
+        "(p.to(v.dtype) @ v).to(acc.dtype)",
+        [G9 + "::test_the_product_with_bf16_v_is_accumulated_in_fp32"],
+    ),
+    # issue 40, item 3: dropout keyed by (seed, step, layer, site, global coordinates)
+    Mutation(
+        "issue 40: dropout keyed by the local row instead of the global one",
+        "minitrain/dropout.py",
+        "for r in rows.to(idx.device).chunk(m)]",
+        "for r in torch.arange(len(rows), device=idx.device).chunk(m)]",
+        [DROP + "[dp2]", DROP + "[dp2-adamw]", DROP + "[moe-dp2-ep2]"],
+    ),
+    Mutation(
+        "issue 40: dropout's layer index made local to a pipeline stage",
+        "minitrain/pipeline/partition.py",
+        "        self.blocks = nn.ModuleList(gpt.blocks[i] for i in indices)\n",
+        "        self.blocks = nn.ModuleList(gpt.blocks[i] for i in indices)\n"
+        "        for j, block in enumerate(self.blocks):\n"
+        "            block.layer = block.attn.layer = j\n",
+        [DROP + "[pp2-gpipe]", DROP + "[pp2-1f1b-full]", DROP + "[pp2xtp2+sp-1f1b-full]"],
+    ),
+    Mutation(
+        "issue 40: dropout's head index made local to a tensor-parallel rank",
+        "minitrain/tensor_parallel/apply.py",
+        "attn.first_head = rank * (config.n_head // t)",
+        "attn.first_head = 0",
+        [DROP + "[tp2]", DROP + "[tp2+sp]", DROP + "[moe-tp2]"],
+    ),
+    Mutation(
+        "issue 40: sequence parallelism's dropout positions taken from rank 0's slice",
+        "minitrain/dropout.py",
+        "residual = positions.chunk(ranks)[rank] if ranks > 1 else None",
+        "residual = positions.chunk(ranks)[0] if ranks > 1 else None",
+        [DROP + "[tp2+sp]", DROP + "[tp2+sp-full]", DROP + "[pp2xtp2+sp-1f1b-full]"],
+    ),
+    Mutation(
+        "issue 40: a recompute draws under the live dropout key, not its forward's",
+        "minitrain/dropout.py",
+        "    def set_state(self, state: DropoutKey | None) -> None:\n        self.current = state\n",
+        "    def set_state(self, state: DropoutKey | None) -> None:\n        pass\n",
+        [DROP + "[pp2-gpipe-full]", DROP + "[pp2-1f1b-full]", DROP + "[pp2xtp2+sp-1f1b-full]"],
+    ),
+    Mutation(
+        "issue 40: the pipeline keys every micro-batch with the first one's rows",
+        "minitrain/pipeline/executor.py",
+        "self.model.dropout_keys.current = state.dropout_keys[mb]",
+        "self.model.dropout_keys.current = state.dropout_keys[0]",
+        [DROP + "[pp2-gpipe]", DROP + "[pp2-1f1b-full]"],
+    ),
+    Mutation(
+        "issue 40: context parallelism's attention dropout at local query positions",
+        "minitrain/context_parallel/gathered.py",
+        "site.at_positions(q_pos, k_pos)",
+        "site.at_positions(torch.arange(len(q_pos), device=q.device), k_pos)",
+        [DROP + "[cp2]", DROP + "[dp2xcp2]"],
+    ),
+    Mutation(
+        "issue 40: the dropout mask hashes the element's local index, not its coordinate",
+        "minitrain/dropout.py",
+        "        c = c.to(torch.int64).reshape(",
+        "        c = torch.arange(len(c), device=c.device).reshape(",
+        ["tests/test_dropout_layouts.py::test_a_slice_of_the_mask_is_the_mask_of_the_sliced_coordinates",
+         DROP + "[dp2]", DROP + "[tp2]"],
+    ),
+    Mutation(
+        "issue 40: the step left out of the dropout key (every step the same masks)",
+        "minitrain/dropout.py",
+        "(k.seed, k.step, self.layer, SITES[self.name])",
+        "(k.seed, 0, self.layer, SITES[self.name])",
+        ["tests/test_dropout_layouts.py::test_masks_are_independent_across_steps_layers_sites_and_rows",
+         "tests/test_dropout_layouts.py::test_a_keyed_gpt_ignores_the_generator_and_numbers_its_layers_globally"],
+    ),
+    Mutation(
+        "issue 40: ZeRO-3's backward pass begins only at the output's hook (a branch that is the output gathers first)",
+        "minitrain/zero/gather_order.py",
+        "        self._backward_begins(None)\n        super()._pre_backward(index)\n",
+        "        super()._pre_backward(index)\n",
+        ["tests/test_zero_branches.py::test_per_rank_branches_match_one_process[2]",
+         "tests/test_zero_branches.py::test_per_rank_branches_match_one_process[3]"],
+    ),
+    Mutation(
+        "issue 40: ZeRO-3 re-gathers a prefetched unit whose turn in the pass is over (one rank alone)",
+        "minitrain/zero/gather_order.py",
+        "            if (i - self._cursor) * step < 0 and u is not self._needed:\n",
+        "            if False:\n",
+        ["tests/test_zero_branches.py::test_per_rank_branches_match_one_process[2]",
+         "tests/test_zero_branches.py::test_per_rank_branches_match_one_process[3]"],
+    ),
+    Mutation(
+        "issue 40: a run checkpoint holds the CPU generator only (not the device's)",
+        "minitrain/parallel/trainer.py",
+        'return [] if self.device.type == "cpu" else [self.device]',
+        "return []",
+        ["tests/test_train_generators.py"],
+    ),
+    Mutation(
+        "issue 40: under ZeRO a run checkpoint leaves the module's buffers out",
+        "minitrain/parallel/trainer.py",
+        "                    b.copy_(state.get(\"buffers\", {}).get(name, b))\n",
+        "                    pass\n",
+        ["tests/test_train_generators.py"],
+    ),
+    Mutation(
+        "issue 40: a router counts its load in every balancing mode (it grows for ever)",
+        "minitrain/moe/router.py",
+        'if self.training and self.balancing == "bias":',
+        "if self.training:",
+        ["tests/test_moe.py::test_load_is_counted_only_for_the_bias_that_reads_it"],
+    ),
+    Mutation(
+        "issue 40: gpt_num_params counts a dense MLP where the config has experts",
+        "minitrain/model.py",
+        "        mlp = config.moe_experts * (h + 2 * h * f + f + h)\n",
+        "        pass\n",
+        ["tests/test_model.py::test_num_params_formula_matches_numel",
+         "tests/grading/test_ch01_single_device.py::test_gpt_num_params"],
+    ),
+    Mutation(
+        "issue 41: a rank's file descriptors 1 and 2 reach the caller's stream unlabelled",
+        "minitrain/runtime/rank.py",
+        "    capture_file_descriptors(descriptors_file)\n",
+        "    pass\n",
+        ["tests/test_launch.py::test_what_a_rank_writes_to_its_file_descriptors_is_relayed_with_its_rank"],
     ),
 ]
 

@@ -15,13 +15,18 @@ Rank 0 shows a progress bar (tqdm) and writes JSON lines ``{"step", "loss", "lr"
 ``--log-file`` (``"val_loss"`` every ``--eval-every`` steps). ``--lr-schedule cosine
 --warmup-steps N``: linear warm-up, then cosine decay (``minitrain.parallel.schedule``);
 ``--data FILE`` trains on a text file's bytes (vocabulary 256, its last 10 % held out). ``--checkpoint-dir`` with ``--checkpoint-every K`` saves sharded, atomic
-checkpoints; ``--resume`` continues from the newest one exactly as if never stopped.
+checkpoints; ``--resume`` continues from the newest one exactly as if never stopped, and refuses
+one of another model, layout, seed, schedule, ``--data`` file or ``--clip-grad-norm``, naming
+the flag. A flag refused, alone or with another (``--min-lr`` above ``--lr`` or without the
+cosine, ``--warmup-steps`` beyond ``--steps``, a MoE flag without ``--moe-experts``,
+``--sequence-parallel`` at ``--tp 1``, ZeRO-2/3 with ``--pp``), is one line naming it, before
+any rank starts (exit 2). A loss that is not finite stops the run at that step, in one line
+naming the step and the last good checkpoint (exit 1; the log line holds ``"loss": null``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -29,12 +34,16 @@ import torch
 import torch.distributed as dist
 
 from minitrain.data import TextData
+from minitrain.parallel.command_checks import check_combinations, check_composition_before_launch
 from minitrain.parallel.command_errors import (
     OneLineParser,
     check_storage,
     check_values,
+    divergence,
+    json_line,
     open_log,
     run_reporting,
+    stop_diverged,
 )
 from minitrain.parallel.command_flags import (  # noqa: F401 (all importable from here)
     add_flags,
@@ -42,7 +51,10 @@ from minitrain.parallel.command_flags import (  # noqa: F401 (all importable fro
     check_moe_flags,
     check_schedule_and_data,
     config_of,
+    fill_moe_defaults,
+    given_moe_flags,
     layout_of,
+    run_identity,
     schedule_identity,
     schedule_of,
 )
@@ -81,6 +93,7 @@ def train_rank(args: dict) -> dict:
     schedule = schedule_of(args)
     identity = {"config": vars(config), "layout": job.layout, "seed": args["seed"],
                 "batch_size": args["batch_size"], **schedule_identity(schedule)}
+    identity.update(run_identity(args))  # --data (name, SHA-256) and --clip-grad-norm
     rank, first = dist.get_rank(), 0
     ckpt = args["checkpoint_dir"]
     if args["resume"]:
@@ -119,12 +132,21 @@ def train_rank(args: dict) -> dict:
                    "seconds": round(seconds, 5),
                    "mfu": mfu(rate, fpt, peak * world)}
             rec.update(job.last_metrics)  # grad_norm; loss_scale with fp16
+            # issue 40: stop at the first non-finite loss, before evaluating or checkpointing
+            # its weights; every rank sees the same numbers, so all stop here, no collective
+            scaler = getattr(job, "scaler", None)
+            problem = divergence(step, loss, job.last_metrics,
+                                 scaler.get_scale() if scaler is not None else None)
+            if problem:
+                if log:
+                    log.write(json_line(rec) + "\n")  # the bad step, its loss null
+                raise stop_diverged(problem, ckpt)
             eval_every = args.get("eval_every", 0)
             if eval_every and ((step + 1) % eval_every == 0 or step + 1 == args["steps"]):
                 rec["val_loss"] = job.evaluate()  # after this step's update, not timed
             records.append(rec)
             if log:
-                log.write(json.dumps(rec) + "\n")
+                log.write(json_line(rec) + "\n")
                 log.flush()
             if bar is not None:
                 bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{rate:.0f}")
@@ -153,6 +175,9 @@ def _in_this_process(args: dict) -> dict:
 def main(argv=None) -> int:
     parser = build_parser()
     args = vars(parser.parse_args(argv))
+    # read before the defaults are filled in: a typed flag shows even at its default's value
+    moe_given, min_lr_given = given_moe_flags(args), args["min_lr"] is not None
+    fill_moe_defaults(args)
     if args["precision"] not in PRECISIONS:
         parser.error(f"--precision {args['precision']}: expected one of fp32, bf16, fp16")
     if not args["clip_grad_norm"] >= 0:
@@ -170,11 +195,13 @@ def main(argv=None) -> int:
     problem = check_moe_flags(args)
     if problem:
         parser.error(problem)
+    check_combinations(parser, args, moe_given, min_lr_given)
     try:
         check_layout(config_of(args), args["dp"], args["tp"], args["pp"], args["cp"],
                      args["seq_len"], args["batch_size"], args["microbatches"])
     except ValueError as exc:
         parser.error(str(exc))
+    check_composition_before_launch(parser, args)  # else a traceback on every rank
     check_storage(parser, args, rank0=os.environ.get("RANK", "0") == "0")
 
     def train():

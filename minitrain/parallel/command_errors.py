@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -24,9 +25,16 @@ from minitrain.zero.checkpoint import CheckpointError, latest_checkpoint
 
 PROG = "minitrain.train"
 
+
+class Diverged(RuntimeError):
+    """The run stopped at a non-finite loss (issue 40): raised by every rank at the same step
+    (the loss is the same number on every rank), reported in one line, exit 1."""
+
+
 # the exceptions a rank may raise that are an operator's problem, not a bug (one line each)
 EXPECTED = {
     f"{CheckpointError.__module__}.{CheckpointError.__qualname__}",
+    f"{Diverged.__module__}.{Diverged.__qualname__}",
     "builtins.FileNotFoundError",
     "builtins.PermissionError",
     "builtins.IsADirectoryError",
@@ -136,6 +144,45 @@ def open_log(path: str, first_step: int, resume: bool):
     return open(path, "w")  # noqa: SIM115
 
 
+# fp16's smallest subnormal: a loss scale below it flushes an O(1) loss's scaled gradients to
+# zero, so when overflows still drive the scale down past it, scaling cannot help any more —
+# the gradients themselves are inf/NaN (40 halvings in a row from the initial 2**16)
+MIN_LOSS_SCALE = 2.0**-24
+
+
+def divergence(step: int, loss: float, metrics: dict, scale: float | None) -> str | None:
+    """Why the run must stop after ``step`` (None: it goes on). ``metrics``: the step's
+    ``last_metrics``; ``scale``: the fp16 loss scale the *next* step would use (None without
+    a scaler). Every input is the same number on every rank, so every rank stops here."""
+    if not math.isfinite(loss):
+        return f"the loss is not finite at step {step} ({loss})"
+    norm = metrics.get("grad_norm")
+    if scale is None and norm is not None and not math.isfinite(norm):
+        # without a scaler nothing skips the update: the weights are non-finite from here
+        return f"the gradient norm is not finite at step {step} ({norm})"
+    if scale is not None and scale < MIN_LOSS_SCALE:
+        return (f"the fp16 loss scale fell to {scale:.3g} at step {step}, below 2**-24: every "
+                "step overflows (the loss scaler has given up)")
+    return None
+
+
+def stop_diverged(problem: str, checkpoint_dir: str | None) -> Diverged:
+    """The one line of a diverged run, naming the checkpoint to go back to: the newest, as this
+    step's own (its weights are not finite) is never written."""
+    last = latest_checkpoint(checkpoint_dir) if checkpoint_dir else None
+    where = (f"the last good checkpoint is {last}" if last else
+             "no checkpoint was written" if checkpoint_dir else "no --checkpoint-dir")
+    return Diverged(f"{problem}: stopped; {where}")
+
+
+def json_line(record: dict) -> str:
+    """A log record as strict JSON: a non-finite number (a diverged step's loss) as null —
+    Python's default writes NaN, which no JSON parser reads."""
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v
+             for k, v in record.items()}
+    return json.dumps(clean, allow_nan=False)
+
+
 def _say(message: str) -> None:
     print(f"{PROG}: {message}", file=sys.stderr, flush=True)
 
@@ -178,7 +225,7 @@ def run_reporting(train, args: dict):
         else:  # an unexpected exception: its traceback is the report
             _say(str(exc))
         return None, 1
-    except (CheckpointError, FileNotFoundError, PermissionError, IsADirectoryError,
+    except (CheckpointError, Diverged, FileNotFoundError, PermissionError, IsADirectoryError,
             NotADirectoryError) as exc:  # one process: raised here, not through the launcher
         _say(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return None, 1

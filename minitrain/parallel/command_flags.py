@@ -4,13 +4,16 @@ Chapter 11, notebooks/11_putting_it_together.ipynb; ``minitrain.parallel.command
 parser with ``add_flags`` and runs. Here: every flag with its help (the groups ``--help``
 shows), the checks that refuse a bad value in one line naming the flag (``parser.error``), and
 the flags turned into what the run is made of — the model's ``GPTConfig`` (``config_of``), the
-layout (``layout_of``), the learning-rate schedule (``schedule_of``) and the part of a
-checkpoint's identity that names the schedule's flags (``schedule_identity``).
+layout (``layout_of``), the learning-rate schedule (``schedule_of``) and the parts of a
+checkpoint's identity that name the schedule's flags (``schedule_identity``), the data file and
+the clipping (``run_identity``). Flags refused only together: ``command_checks``.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import os
 
 from minitrain.data import TextData
 from minitrain.model import GPTConfig
@@ -30,16 +33,21 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     layout.add_argument("--sequence-parallel", action="store_true", help="with --tp > 1")
     layout.add_argument("--nproc", type=int, default=None,
                         help="local ranks through minitrain.runtime (default: dp·tp·pp·cp)")
-    moe = p.add_argument_group("mixture of experts (chapter 8) and expert parallelism")
+    moe = p.add_argument_group("mixture of experts (chapter 8) and expert parallelism",
+                               "the flags after --moe-experts need it")
     moe.add_argument("--moe-experts", type=int, default=0,
                      help="experts per MoE layer, in every block's MLP (0: dense MLPs)")
-    moe.add_argument("--moe-top-k", type=int, default=2, help="experts per token")
+    # default None, filled in by fill_moe_defaults: a typed value, even the default's own,
+    # shows as given, and is refused without --moe-experts (issue 40)
+    moe.add_argument("--moe-top-k", type=int, default=None, help="experts per token (default 2)")
     moe.add_argument("--moe-capacity-factor", type=float, default=None,
                      help="expert capacity ⌈C·k·T/E⌉ (default: none, no token dropped)")
-    moe.add_argument("--ep", type=int, default=1,
-                     help="expert-parallel size: ranks of dp × cp holding different experts")
-    moe.add_argument("--moe-aux-weight", type=float, default=0.01,
-                     help="weight of Switch's load-balancing loss (log: aux_loss, unweighted)")
+    moe.add_argument("--ep", type=int, default=None,
+                     help="expert-parallel size: ranks of dp × cp holding different experts "
+                          "(default 1)")
+    moe.add_argument("--moe-aux-weight", type=float, default=None,
+                     help="weight (≥ 0) of Switch's load-balancing loss (default 0.01; log: "
+                          "aux_loss, unweighted)")
     train = p.add_argument_group("training")
     train.add_argument("--steps", type=int, default=50)
     train.add_argument("--batch-size", type=int, default=8, help="global batch (sequences)")
@@ -79,9 +87,10 @@ def add_schedule_and_data_flags(p: argparse.ArgumentParser) -> None:
                        help="after the warm-up: constant --lr, or cosine decay to --min-lr at "
                             "--steps (Loshchilov & Hutter 2017)")
     sched.add_argument("--warmup-steps", type=int, default=0,
-                       help="linear warm-up: step s < N uses lr·(s+1)/N")
+                       help="linear warm-up: step s < N uses lr·(s+1)/N (N ≤ --steps)")
     sched.add_argument("--min-lr", type=float, default=None,
-                       help="where cosine ends (default: 0.1 × --lr)")
+                       help="where cosine ends, ≤ --lr (default: 0.1 × --lr; only with "
+                            "--lr-schedule cosine)")
     sched.add_argument("--dropout", type=float, default=0.0, help="dropout probability, [0, 1)")
     data = p.add_argument_group("data and evaluation")
     data.add_argument("--data", default=None, metavar="FILE",
@@ -124,11 +133,34 @@ def check_schedule_and_data(parser: argparse.ArgumentParser, args: dict) -> None
         parser.error(f"argument --data: {exc}")
 
 
+# the effective defaults of the flags whose parser default is None (so that typing one shows)
+MOE_DEFAULTS = {"moe_top_k": 2, "moe_capacity_factor": None, "moe_aux_weight": 0.01, "ep": 1}
+
+
+def given_moe_flags(args: dict) -> list[str]:
+    """The MoE flags typed on the command line (before ``fill_moe_defaults``), as typed."""
+    return [f"--{k.replace('_', '-')} {args[k]:g}" for k in MOE_DEFAULTS
+            if args.get(k) is not None]
+
+
+def fill_moe_defaults(args: dict) -> None:
+    for key, default in MOE_DEFAULTS.items():
+        if args.get(key) is None:
+            args[key] = default
+
+
+def _value(args: dict, key: str):
+    """``args[key]``, or its effective default when absent or None (a parser's raw output,
+    or a dict built by hand for ``train_rank``)."""
+    value = args.get(key)
+    return MOE_DEFAULTS[key] if value is None else value
+
+
 def config_of(args: dict) -> GPTConfig:
     vocab = args["vocab_size"] or (256 if args.get("data") else 64)
-    moe = {"moe_experts": args.get("moe_experts", 0), "moe_top_k": args.get("moe_top_k", 2),
+    moe = {"moe_experts": args.get("moe_experts", 0), "moe_top_k": _value(args, "moe_top_k"),
            "moe_capacity_factor": args.get("moe_capacity_factor"),
-           "moe_aux_weight": args.get("moe_aux_weight", 0.01)}
+           "moe_aux_weight": _value(args, "moe_aux_weight")}
     return GPTConfig(vocab_size=vocab, seq_len=args["seq_len"], n_layer=args["n_layer"],
                      n_head=args["n_head"], d_model=args["d_model"],
                      dropout=args.get("dropout", 0.0), **moe)
@@ -152,10 +184,28 @@ def schedule_identity(s: dict) -> dict:
             "--steps (the cosine's length)": s["total_steps"] if cosine else None}
 
 
+def run_identity(args: dict) -> dict:
+    """The rest of a checkpoint's identity (issue 40): a resume on another text file, or with
+    another clipping threshold, would continue a different run without a word. The file is
+    named by its name and the SHA-256 of its bytes (the same path may hold new text)."""
+    return {"--data": data_identity(args.get("data")),
+            "--clip-grad-norm": args.get("clip_grad_norm", 0.0)}
+
+
+def data_identity(path: str | None) -> str | None:
+    if not path:
+        return None  # the synthetic data: a function of the seed, already in the identity
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return f"{os.path.basename(path)} (sha256 {digest.hexdigest()})"
+
+
 def layout_of(args: dict) -> dict:
     keys = ("dp", "tp", "pp", "cp", "zero", "microbatches", "schedule", "sequence_parallel",
             "precision")
-    return {**{k: args[k] for k in keys}, "ep": args.get("ep", 1)}
+    return {**{k: args[k] for k in keys}, "ep": _value(args, "ep")}
 
 
 def check_moe_flags(args: dict) -> str | None:

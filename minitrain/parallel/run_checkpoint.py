@@ -12,8 +12,9 @@ are reused):
 - everything goes into ``step_N.partial/``, each file written to a temporary name, flushed
   and renamed; once every rank has written, rank 0 renames the directory to ``step_N/``.
   A crash or Ctrl-C at any moment leaves the previous ``step_M/`` whole;
-- loading checks the metadata (same model, same layout, the same learning-rate flags: the
-  caller's identity keys named after flags, "--lr", are reported as flags) and each rank's
+- loading checks the metadata (same model, same layout, seed, learning-rate flags, data file
+  and clipping: ``identity_mismatch`` names the flag that differs, with both values — the
+  model's and the layout's keys as flags, "--d-model 64 in the checkpoint, 32 now") and each rank's
   file (readable, same id, the SHA-256 meta.json recorded for it), and every rank agrees on
   the verdict before anything changes: a corrupt file or a checkpoint of another layout is a
   ``CheckpointError`` naming it, on every rank, no hang;
@@ -92,15 +93,9 @@ def load_run(path: str, identity: dict) -> tuple[int, dict]:
     try:
         with open(meta_path) as fh:
             meta = json.load(fh)
-        for key, value in identity.items():
-            if meta.get(key) != value:
-                # a flag (identity keys named "--lr", …): resuming with the checkpoint's value
-                # continues the run; another value would change it silently
-                fix = f"resume with {key.split()[0]} {meta.get(key)}" if key.startswith("--") \
-                    else "use the same layout"
-                raise CheckpointError(
-                    f"checkpoint {path} was written with {key} = {meta.get(key)}, but this run "
-                    f"has {key} = {value} (start a new --checkpoint-dir, or {fix})")
+        problem = identity_mismatch(meta, identity)
+        if problem:
+            raise CheckpointError(f"checkpoint {path} {problem}")
         if meta.get("world_size") != world:
             raise CheckpointError(f"checkpoint {path} has {meta.get('world_size')} ranks, "
                                   f"this run {world}")
@@ -114,6 +109,51 @@ def load_run(path: str, identity: dict) -> tuple[int, dict]:
         error = f"rank {rank}: checkpoint metadata {meta_path} is missing or invalid: {exc}"
     agree_on_errors(error, what=f"cannot resume from {path}")
     return meta["step"], payload["state"]
+
+
+# identity keys that are one flag but not named after it (kept: older checkpoints hold them)
+FLAG_OF = {"seed": "--seed", "batch_size": "--batch-size"}
+WHAT = {"config": "other model flags", "layout": "another layout"}
+DERIVED = {"d_ff"}  # GPTConfig's 4 × d_model: named only if no flag differs
+
+
+def identity_mismatch(meta: dict, identity: dict) -> str | None:
+    """What differs between a checkpoint's metadata and this run's ``identity``, in one line
+    naming every flag that differs with both values (None: nothing). Resuming with the
+    checkpoint's values continues the run; another value would change it silently.
+    ``identity``'s keys: flags ("--lr"), ``FLAG_OF``'s, or dicts of flags by their ``dest``
+    ("config": ``d_model``, ...)."""
+    problems, fixes = [], []
+    for key, value in identity.items():
+        saved = meta.get(key)
+        if saved == value:
+            continue
+        if isinstance(value, dict) and isinstance(saved, dict):  # name each flag that differs
+            keys = [k for k in {**saved, **value} if saved.get(k) != value.get(k)]
+            keys = [k for k in keys if k not in DERIVED] or keys
+            diffs = [f"--{k.replace('_', '-')} {_shown(saved.get(k))} in the checkpoint, "
+                     f"{_shown(value.get(k))} now" for k in keys]
+            problems.append(f"{WHAT.get(key, key)}: {'; '.join(diffs)}")
+            fixes += [f"resume with --{k.replace('_', '-')} {_shown(saved.get(k))}" for k in keys]
+            continue
+        flag = FLAG_OF.get(key, key)
+        problems.append(f"{flag} = {_shown(saved)}, but this run has {flag} = {_shown(value)}")
+        fixes.append("resume on the --data file it was written with" if flag == "--data"
+                      else f"resume with {flag.split()[0]} {_shown(saved)}")
+    if not problems:
+        return None
+    fix = fixes[0] if len(fixes) == 1 and fixes[0].startswith("resume") \
+        else "resume with the checkpoint's values"
+    return f"was written with {'; '.join(problems)} (start a new --checkpoint-dir, or {fix})"
+
+
+def _shown(value) -> str:
+    """A flag's value as typed would read: a switch on/off, an unset flag none."""
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
 
 
 def _check_file(file: str, payload, ident: str, rank: int) -> None:
