@@ -1653,6 +1653,13 @@ MUTATIONS = [
         "    pass\n",
         ["tests/test_launch.py::test_what_a_rank_writes_to_its_file_descriptors_is_relayed_with_its_rank"],
     ),
+    Mutation(
+        "issue 41: a one-process training run makes a gloo-only group (a GPU node trains on its CPU)",
+        "minitrain/parallel/command.py",
+        "    backend = default_backend(1)\n",
+        '    backend = "gloo"\n',
+        ["tests/test_train_generators.py::test_a_one_process_run_asks_for_the_machines_backend"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

@@ -67,7 +67,13 @@ from minitrain.parallel.run_checkpoint import (
 )
 from minitrain.parallel.schedule import lr_at
 from minitrain.parallel.trainer import ParallelGPT
-from minitrain.runtime import device_clock, get_device, run, running_under_torchrun
+from minitrain.runtime import (
+    default_backend,
+    device_clock,
+    get_device,
+    run,
+    running_under_torchrun,
+)
 from minitrain.step import CPU_PEAK_FLOPS, flops_per_token, mfu, peak_flops  # noqa: F401
 
 # CPU_PEAK_FLOPS is minitrain.step's, re-exported here (minitrain.parallel exports it)
@@ -164,8 +170,13 @@ def train_rank(args: dict) -> dict:
 
 
 def _in_this_process(args: dict) -> dict:
-    """One rank, here: a one-process gloo group on an in-memory store."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    """One rank, here: a one-process group on an in-memory store — gloo, and NCCL for CUDA
+    tensors on a GPU machine (``default_backend``: then ``get_device()`` is the GPU; with gloo
+    alone a GPU node's one-rank run trained on the CPU, issue 41)."""
+    backend = default_backend(1)
+    if "nccl" in backend:
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     try:
         return train_rank(args)
     finally:
