@@ -11,13 +11,14 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from minitrain.ddp import assign_buckets, broadcast_from_first_rank
 from minitrain.fsdp.clipping import clip_grad_norm_
+from minitrain.fsdp.gathers import UnitGathers
 from minitrain.fsdp.shards import register_shards, replicated_ids
 from minitrain.runtime import trace
 from minitrain.zero.accounting import count_sent, optimizer_state_tensors, storage_bytes
 from minitrain.zero.buffers import FlatUnit, all_gather_tensor, reduce_scatter_tensor, timed
 from minitrain.zero.gather_order import OrderedGathers
 from minitrain.zero.mixed_precision import attach_master, cast_inputs, cast_rest
-from minitrain.zero.sharded_units import ShardedUnits, split_into_units, tensors_requiring_grad
+from minitrain.zero.sharded_units import split_into_units, tensors_requiring_grad
 from minitrain.zero.step_transfers import hand_gradients_to_masters, point_gradients_at_buffer, reduce_scatter_gradients, write_back_shards
 
 
@@ -229,4 +230,4 @@ class FullyShardedDataParallel:
         self._pending.append((u, out, timed(work), start))
         ### END SOLUTION
 
-# minitrain-exercises-hash: d1eddb62986cab3c
+# minitrain-exercises-hash: 641a307ccfe08e80

@@ -5,6 +5,8 @@ Sharded Data Parallel"; Rajbhandari et al. 2020, "ZeRO", stage 3). Files by role
 
 - ``wrapper.py``: ``FullyShardedDataParallel``, an ``nn.Module`` whose parameters are this
   rank's shards, built on chapter 5's ``minitrain.zero.ShardedUnits``;
+- ``gathers.py``: the gathers in one unit order on every rank (chapter 5's
+  ``OrderedGathers``), a unit freed before it ran kept until the forward ends;
 - ``shards.py``: the module's parameters become this rank's shards (``replicated_params``
   checked, the flat shards registered);
 - ``clipping.py``: the global gradient norm over shards;

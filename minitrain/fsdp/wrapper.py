@@ -23,28 +23,31 @@ from torch.distributed import ProcessGroup
 
 from minitrain.ddp import broadcast_from_first_rank
 from minitrain.fsdp.clipping import clip_grad_norm_
+from minitrain.fsdp.gathers import UnitGathers
 from minitrain.fsdp.shards import register_shards, replicated_ids
 from minitrain.runtime import trace
 from minitrain.zero.accounting import count_sent
 from minitrain.zero.buffers import FlatUnit, all_gather_tensor, reduce_scatter_tensor, timed
 from minitrain.zero.mixed_precision import attach_master, cast_inputs, cast_rest
-from minitrain.zero.sharded_units import ShardedUnits, split_into_units, tensors_requiring_grad
+from minitrain.zero.sharded_units import split_into_units, tensors_requiring_grad
 
 
-class FullyShardedDataParallel(ShardedUnits):
+class FullyShardedDataParallel(UnitGathers):
     """``FullyShardedDataParallel(module, group=None, compute_dtype=None,
     replicated_params=None, units=None)``.
 
     Units: ``units`` (default ``module.blocks`` if present, else the children, descending
     into ModuleList / ModuleDict / Sequential: minitrain.zero.units), plus a root unit for
     every other parameter, gathered for the whole forward (embeddings and head bracket the
-    blocks); a parameter used while its unit is not gathered raises, naming it. Each unit's shard is an ``nn.Parameter`` registered on the unit's
-    module as ``flat_shard`` (the root's on ``module``; the replicated parameters' as
-    ``module.flat_replicated``); the original parameters become plain attributes, views of
-    the gathered buffer. Ranks may use different parameters, and skip units: reductions run
-    in one fixed unit order (unused parameters contribute zeros; a unit no rank used keeps
-    ``.grad`` None), gathers are launched in unit order with skipped units caught up. Units
-    are assumed to run in the order they are listed (as stage 3 assumes).
+    blocks); a parameter used while its unit is not gathered raises, naming it. Each unit's
+    shard is an ``nn.Parameter`` registered on the unit's module as ``flat_shard`` (the
+    root's on ``module``; the replicated parameters' as ``module.flat_replicated``); the
+    original parameters become plain attributes, views of the gathered buffer. Ranks may use
+    different parameters, skip units and run units out of their listed order (branches
+    registered before the trunk): reductions run in one fixed unit order (unused parameters
+    contribute zeros; a unit no rank used keeps ``.grad`` None), gathers in unit order in
+    each pass, skipped units caught up, and a unit freed before it ran is kept until the
+    forward ends, in case it still runs (gathers.py).
     """
 
     stage = 3  # for the sharded checkpoints of minitrain.zero
@@ -105,27 +108,11 @@ class FullyShardedDataParallel(ShardedUnits):
             with torch.no_grad():  # the optimizer stepped the fp32 masters: round them in
                 for u in self.live_units():
                     u.shard.copy_(u.master)
-        last = len(self.blocks) - 1
-        self._fwd_next, self._bwd_next, self._entered = 1, last, set()  # (unit 0: prefetched)
-        out = self._sharded_forward(*args, **kwargs)
-        # a data-dependent branch may have skipped units: gather (and free) them anyway, so
-        # every rank launches the same gathers in the same order — they pair by position
-        self._gather_in_order(last)
-        for u in self.units[:-1]:
-            self._free(u)
-        return out
-
-    def _gather_in_order(self, upto):
-        """Launch the forward gathers of units ``_fwd_next`` … ``upto``, in unit order."""
-        while self._fwd_next <= min(upto, len(self.blocks) - 1):
-            self._start_gather(self.units[self._fwd_next])
-            self._fwd_next += 1
-
-    def _gather_down_to(self, lowest):
-        """Launch the backward gathers of units ``_bwd_next`` … ``lowest``, last unit first."""
-        while self._bwd_next >= max(lowest, 0):
-            self._start_gather(self.units[self._bwd_next])
-            self._bwd_next -= 1
+        self._begin_forward()
+        # a data-dependent branch may skip units, ranks may run different ones: gathers go in
+        # unit order on every rank, skipped units caught up and freed at the end (they pair
+        # by position: gathers.py)
+        return self._sharded_forward(*args, **kwargs)
 
     def _pre_forward(self, index):
         """Before unit ``index``'s forward (Zhao et al. 2023): its parameters whole.
@@ -203,36 +190,16 @@ class FullyShardedDataParallel(ShardedUnits):
         self._pending.append((u, out, timed(work), start))
         ### END SOLUTION
 
-    def _backward_begins(self, grad):
-        if self._bwd_next == len(self.blocks) - 1 and not self._callback_queued:
-            self._arm_callback()  # (once, though the output may hold several tensors)
-            self._wait_gather(self.root)  # the head's backward comes first
-            self._gather_down_to(len(self.blocks) - 1)
-
-    def _pre_backward(self, index):
-        """Unit ``index``'s backward is next: gather it (and, in order, any unit this rank's
-        forward skipped), prefetch the one before it."""
-        if index in self._entered:  # a hook of a second output tensor of the same unit
-            return
-        self._entered.add(index)
-        self._arm_callback()
-        self._gather_down_to(index - 1)
-        self._wait_gather(self.units[index])
-        if self.units[index] is not None:
-            self.units[index].backward_start = trace.now()
-
-    def _finish_backward(self):
-        """End of backward. As DDP leaves ``.grad`` of a parameter no rank used alone, so
-        does FSDP for a *unit* no rank used (AdamW must not decay it): after every reduction
-        is launched — the same position on every rank — one small all-reduce of "used" flags.
-        (Gathers a skipped unit would have had are launched too, to keep their order.)"""
-        self._gather_down_to(0)
+    def _launch_remaining(self):
+        """End of backward (its gathers all launched: gathers.py). As DDP leaves ``.grad`` of
+        a parameter no rank used alone, so does FSDP for a *unit* no rank used (AdamW must not
+        decay it): after every reduction is launched — the same position on every rank — one
+        small all-reduce of "used" flags."""
         # on the device of the gradients it is reduced beside (NCCL takes no CPU tensor)
         used = torch.tensor([float(u.ready > 0) for u in self._reduce_order], device=self.device)
-        self._launch_remaining()
+        super()._launch_remaining()
         dist.all_reduce(used, group=self.group)
         self._unused = {id(u) for u, n in zip(self._reduce_order, used.tolist()) if n == 0}
-        self._wait_reductions()
 
     def _store_reduced(self, u, out):
         """The averaged gradient of ``u``'s shard becomes (or adds to) the shard's ``.grad``."""
