@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from contextlib import nullcontext
 from dataclasses import dataclass
 from torch import nn
+from minitrain.dropout import DropoutKeys, DropoutSite, dropout_site
 from minitrain.memory.formulas import BYTES_PER_PARAMETER
 from minitrain.model import GPTConfig, lm_loss
 from minitrain.runtime import device_clock
@@ -30,8 +31,10 @@ def gpt_num_params(config: GPTConfig) -> int:
     final LayerNorm (gain, and bias with biases); the LM head v*h (no bias) unless tied
     (``config.tie_weights``: the head *is* the token embedding, counted once). For f = 4h
     and biases: v*h + s*h + L*(12h^2 + 13h) + 2h (+ v*h). Kaplan et al. 2020, Table 1,
-    count the same terms. Returns an int equal to ``sum(p.numel() for p in
-    GPT(config).parameters())``.
+    count the same terms. With ``config.moe_experts`` = E > 0 every block's MLP is chapter
+    8's mixture of experts instead: a router (an E x h matrix, no bias) and E experts, each
+    an MLP of width f *with* its two biases whatever ``config.bias`` says. Returns an int
+    equal to ``sum(p.numel() for p in GPT(config).parameters())``, for every config.
     """
     # HINT: count one block, then multiply; bias=False removes biases only, never gains
     raise NotImplementedError("exercise: write gpt_num_params (see its docstring)")
@@ -98,4 +101,4 @@ def accumulate_gradients(model, micro_batches, loss_fn=None) -> float:
     # HINT: count the targets first (targets.numel()), then backward each scaled loss
     raise NotImplementedError("exercise: write accumulate_gradients (see its docstring)")
 
-# minitrain-exercises-hash: f05ea739908524c4
+# minitrain-exercises-hash: db05a6dfb17a4089

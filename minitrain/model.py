@@ -15,8 +15,8 @@ Built to be taken apart:
   gives every rank whole heads), and an ``attention_fn`` attribute, by default
   ``naive_attention``, which flash attention replaces;
 - ``MLP`` has ``fc_in`` and ``fc_out`` Linears (tensor parallelism replaces them);
-- ``GPT`` has three plain attributes later chapters set instead of subclassing it:
-  ``loss_fn``, ``block_loop`` and ``shard_rng`` (see ``GPT.__init__``).
+- ``GPT`` has plain attributes later chapters set instead of subclassing it:
+  ``loss_fn``, ``block_loop``, ``shard_rng`` and ``dropout_keys`` (see ``GPT.__init__``).
 
 The LM head is untied from the token embedding by default (``tie_weights=False``):
 with tied weights a pipeline would have to all-reduce the shared matrix between its
@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from minitrain.dropout import DropoutKeys, DropoutSite, dropout_site
 
 
 @dataclass
@@ -80,8 +82,10 @@ def gpt_num_params(config: GPTConfig) -> int:
     final LayerNorm (gain, and bias with biases); the LM head v*h (no bias) unless tied
     (``config.tie_weights``: the head *is* the token embedding, counted once). For f = 4h
     and biases: v*h + s*h + L*(12h^2 + 13h) + 2h (+ v*h). Kaplan et al. 2020, Table 1,
-    count the same terms. Returns an int equal to ``sum(p.numel() for p in
-    GPT(config).parameters())``.
+    count the same terms. With ``config.moe_experts`` = E > 0 every block's MLP is chapter
+    8's mixture of experts instead: a router (an E x h matrix, no bias) and E experts, each
+    an MLP of width f *with* its two biases whatever ``config.bias`` says. Returns an int
+    equal to ``sum(p.numel() for p in GPT(config).parameters())``, for every config.
     """
     ### BEGIN SOLUTION
     # HINT: count one block, then multiply; bias=False removes biases only, never gains
@@ -89,6 +93,8 @@ def gpt_num_params(config: GPTConfig) -> int:
     b = 1 if config.bias else 0
     attention = 4 * h * h + b * 4 * h  # q, k, v, out projections
     mlp = 2 * h * f + b * (f + h)  # fc_in, fc_out
+    if config.moe_experts:  # a router, and E expert MLPs that always have biases
+        mlp = config.moe_experts * (h + 2 * h * f + f + h)
     norms = 2 * (h + b * h)  # ln_1, ln_2 (the gain always, the bias if bias)
     per_block = attention + mlp + norms
     embeddings = v * h + s * h
@@ -98,26 +104,31 @@ def gpt_num_params(config: GPTConfig) -> int:
     ### END SOLUTION
 
 
-def dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+def dropout(x: torch.Tensor, p: float, training: bool,
+            site: DropoutSite | None = None) -> torch.Tensor:
     """Inverted dropout (Srivastava et al. 2014): zero with probability p, scale by 1/(1-p).
 
     Written out so autograd saves a bool mask (1 byte per element, as Korthikanti et
     al. 2022 count it) on every device; torch's CPU dropout saves a float mask instead.
+    ``site`` (minitrain.dropout): the mask is a function of (seed, step, layer, site, each
+    element's global coordinates), the same on every layout; None: torch's generator.
     """
     if not training or p == 0.0:
         return x
-    keep = torch.rand_like(x) >= p  # bool: the only tensor saved for backward
+    keep = torch.rand_like(x) >= p if site is None else site.keep(x, p)  # bool: saved for backward
     return x * keep * (1.0 / (1.0 - p))
 
 
 def naive_attention(
-    q, k, v, causal: bool = True, dropout_p: float = 0.0, training: bool = False
+    q, k, v, causal: bool = True, dropout_p: float = 0.0, training: bool = False,
+    dropout_site: DropoutSite | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v on ``(..., seq, head_dim)`` tensors (Vaswani et al. 2017).
 
     Materialises the full ``(..., s, s)`` score matrix: the memory flash attention
     (chapter 9) avoids. ``causal`` lets query i see keys j <= i only. The mask is
     *added* as 0/-inf rather than applied with masked_fill, so autograd saves no mask.
+    ``dropout_site``: the probabilities' keyed dropout (``dropout``'s ``site``).
     """
     s_q, s_k = q.shape[-2], k.shape[-2]
     scores = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-2, -1)
@@ -126,15 +137,17 @@ def naive_attention(
         bias = torch.zeros(s_q, s_k, dtype=scores.dtype, device=q.device)
         scores = scores + bias.masked_fill(future, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    probs = dropout(probs, dropout_p, training)
+    probs = dropout(probs, dropout_p, training, dropout_site)
     return probs @ v
 
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with separate q, k, v projections."""
 
-    def __init__(self, config: GPTConfig, attention_fn=None):
+    def __init__(self, config: GPTConfig, attention_fn=None, layer: int = 0,
+                 dropout_keys: DropoutKeys | None = None):
         super().__init__()
+        self.layer, self.first_head, self.dropout_keys = layer, 0, dropout_keys  # keyed dropout
         h = config.d_model
         self.head_dim = h // config.n_head
         self.dropout = config.dropout
@@ -154,7 +167,10 @@ class CausalSelfAttention(nn.Module):
             return t.view(b, s, t.shape[-1] // self.head_dim, self.head_dim).transpose(1, 2)
 
         q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
-        y = self.attention_fn(q, k, v, causal=True, dropout_p=self.dropout, training=self.training)
+        site = dropout_site(self.dropout_keys, self.layer, "attention", self.first_head)
+        keyed = {"dropout_site": site} if site and self.training and self.dropout > 0 else {}
+        y = self.attention_fn(q, k, v, causal=True, dropout_p=self.dropout,
+                              training=self.training, **keyed)  # unkeyed: any attention_fn
         y = y.transpose(1, 2).contiguous().view(b, s, -1)
         return self.out_proj(y)
 
@@ -174,17 +190,23 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-LayerNorm transformer block: x + attn(ln_1(x)), then + mlp(ln_2(x))."""
 
-    def __init__(self, config: GPTConfig, attention_fn=None):
+    def __init__(self, config: GPTConfig, attention_fn=None, layer: int = 0,
+                 dropout_keys: DropoutKeys | None = None):
         super().__init__()
-        self.dropout = config.dropout
+        self.dropout, self.layer, self.dropout_keys = config.dropout, layer, dropout_keys
         self.ln_1 = nn.LayerNorm(config.d_model, bias=config.bias)
-        self.attn = CausalSelfAttention(config, attention_fn)
+        self.attn = CausalSelfAttention(config, attention_fn, layer, dropout_keys)
         self.ln_2 = nn.LayerNorm(config.d_model, bias=config.bias)
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + dropout(self.attn(self.ln_1(x)), self.dropout, self.training)
-        return x + dropout(self.mlp(self.ln_2(x)), self.dropout, self.training)
+        x = x + self.drop(self.attn(self.ln_1(x)), "attention_output")
+        return x + self.drop(self.mlp(self.ln_2(x)), "mlp_output")
+
+    def drop(self, x: torch.Tensor, site: str) -> torch.Tensor:
+        # keyed by (layer, site) if the GPT holds a key (minitrain.dropout), else torch's RNG
+        keyed = dropout_site(self.dropout_keys, self.layer, site)
+        return dropout(x, self.dropout, self.training, keyed)
 
 
 class GPT(nn.Module):
@@ -202,7 +224,9 @@ class GPT(nn.Module):
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
-        self.blocks = nn.ModuleList(Block(config, attention_fn) for _ in range(config.n_layer))
+        self.dropout_keys = DropoutKeys()  # what every dropout site reads (minitrain.dropout)
+        self.blocks = nn.ModuleList(Block(config, attention_fn, i, self.dropout_keys)
+                                    for i in range(config.n_layer))
         self.ln_f = nn.LayerNorm(config.d_model, bias=config.bias)
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_weights:
@@ -237,7 +261,8 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {s} exceeds config.seq_len={self.config.seq_len}")
         pos = torch.arange(s, device=idx.device) if positions is None else positions
         x = self.tok_emb(idx) + self.pos_emb(pos)
-        return dropout(x, self.config.dropout, self.training)
+        site = dropout_site(self.dropout_keys, 0, "embedding")
+        return dropout(x, self.config.dropout, self.training, site)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.ln_f(x))

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from contextlib import nullcontext
 from dataclasses import dataclass
 from torch import nn
+from minitrain.dropout import DropoutKeys, DropoutSite, dropout_site
 from minitrain.memory.formulas import BYTES_PER_PARAMETER
 from minitrain.model import GPTConfig, lm_loss
 from minitrain.runtime import device_clock
@@ -26,8 +27,10 @@ def gpt_num_params(config: GPTConfig) -> int:
     final LayerNorm (gain, and bias with biases); the LM head v*h (no bias) unless tied
     (``config.tie_weights``: the head *is* the token embedding, counted once). For f = 4h
     and biases: v*h + s*h + L*(12h^2 + 13h) + 2h (+ v*h). Kaplan et al. 2020, Table 1,
-    count the same terms. Returns an int equal to ``sum(p.numel() for p in
-    GPT(config).parameters())``.
+    count the same terms. With ``config.moe_experts`` = E > 0 every block's MLP is chapter
+    8's mixture of experts instead: a router (an E x h matrix, no bias) and E experts, each
+    an MLP of width f *with* its two biases whatever ``config.bias`` says. Returns an int
+    equal to ``sum(p.numel() for p in GPT(config).parameters())``, for every config.
     """
     ### BEGIN SOLUTION
     # HINT: count one block, then multiply; bias=False removes biases only, never gains
@@ -35,6 +38,8 @@ def gpt_num_params(config: GPTConfig) -> int:
     b = 1 if config.bias else 0
     attention = 4 * h * h + b * 4 * h  # q, k, v, out projections
     mlp = 2 * h * f + b * (f + h)  # fc_in, fc_out
+    if config.moe_experts:  # a router, and E expert MLPs that always have biases
+        mlp = config.moe_experts * (h + 2 * h * f + f + h)
     norms = 2 * (h + b * h)  # ln_1, ln_2 (the gain always, the bias if bias)
     per_block = attention + mlp + norms
     embeddings = v * h + s * h
@@ -137,4 +142,4 @@ def accumulate_gradients(model, micro_batches, loss_fn=None) -> float:
     return mean_loss
     ### END SOLUTION
 
-# minitrain-exercises-hash: c23759ef043a8b8c
+# minitrain-exercises-hash: 19e87e20d371be50

@@ -20,6 +20,9 @@ CONFIGS = [
     GPTConfig(vocab_size=50, seq_len=16, n_layer=3, n_head=2, d_model=32, d_ff=80),
     GPTConfig(vocab_size=17, seq_len=9, n_layer=1, n_head=3, d_model=12, bias=False),
     GPTConfig(vocab_size=100, seq_len=8, n_layer=2, n_head=4, d_model=16, tie_weights=True),
+    # issue 40: experts (chapter 8) were not counted
+    GPTConfig(vocab_size=20, seq_len=8, n_layer=2, n_head=2, d_model=8, bias=False,
+              moe_experts=3),
 ]
 
 

@@ -22,8 +22,11 @@ class _CheckpointedAttention:
     def __init__(self, inner):
         self.inner = inner
 
-    def __call__(self, q, k, v, causal=True, dropout_p=0.0, training=False):
-        return checkpoint(self.inner, q, k, v, causal, dropout_p, training)
+    def __call__(self, q, k, v, causal=True, dropout_p=0.0, training=False, dropout_site=None):
+        if dropout_site is None:  # an inner attention_fn need not know keyed dropout
+            return checkpoint(self.inner, q, k, v, causal, dropout_p, training)
+        # the key is an argument: the recompute draws the forward's masks (minitrain.dropout)
+        return checkpoint(self.inner, q, k, v, causal, dropout_p, training, dropout_site)
 
 
 class BlocksInGroups:

@@ -5,7 +5,8 @@ Liu et al. 2023 ("Ring Attention with Blockwise Transformers"). Files by role:
 ``shard_sequence``/``gather_sequence``), ``merge.py`` (partial attention merged by its
 logsumexp), ``ring.py`` (the ring: forward, backward, the autograd Function; each block by
 chapter 9's ``flash_attention_forward``/``flash_attention_backward``), ``model.py`` (the course's GPT trained with its
-sequence split) and ``measure.py`` (bytes, FLOPs, time and memory per rank).
+sequence split), ``gathered.py`` (K and V all-gathered, for keyed attention dropout, chapter
+11) and ``measure.py`` (bytes, FLOPs, time and memory per rank).
 """
 
 from minitrain.context_parallel.layout import (

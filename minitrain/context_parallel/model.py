@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from minitrain.context_parallel.gathered import gathered_attention
 from minitrain.context_parallel.layout import shard_positions, shard_sequence
 from minitrain.context_parallel.ring import ring_attention
 from minitrain.model import GPT, lm_loss, set_attention_fn
@@ -37,7 +38,9 @@ class ContextParallelGPT(nn.Module):
     parameter's gradient over the group (call it after backward, before the optimizer).
     ``shard(x)`` cuts a whole ``(batch, N)`` tensor into this rank's shard, ``positions(x)``
     says where a shard's tokens sit (``module(x, positions=...)`` is this rank's forward).
-    Attention dropout is not supported (ring attention has no dropout mask).
+    Attention dropout needs a dropout key (``module.dropout_keys``, minitrain.dropout: chapter
+    11's trainer sets one): ring attention's tiles have no mask, so with dropout on the
+    probabilities the keys and values are gathered instead (``gathered.py``).
     """
 
     def __init__(self, module: GPT, group: ProcessGroup | None = None, layout: str = "contiguous"):
@@ -47,9 +50,13 @@ class ContextParallelGPT(nn.Module):
         for p in module.parameters():  # every rank starts from rank 0's weights
             dist.broadcast(p.data, dist.get_global_rank(group, 0) if group else 0, group=group)
 
-        def attention(q, k, v, causal=True, dropout_p=0.0, training=False):
+        def attention(q, k, v, causal=True, dropout_p=0.0, training=False, dropout_site=None):
             if dropout_p > 0 and training:
-                raise ValueError(f"ring attention has no attention dropout (dropout_p={dropout_p})")
+                if dropout_site is None:  # an unkeyed mask would not be one process's anyway
+                    raise ValueError(f"ring attention has no attention dropout (dropout_p="
+                                     f"{dropout_p}); with a dropout key set (minitrain.dropout, "
+                                     "as ParallelGPT sets one) K and V are gathered instead")
+                return gathered_attention(q, k, v, causal, dropout_p, dropout_site, group, layout)
             return ring_attention(q, k, v, causal=causal, group=group, layout=layout)
 
         set_attention_fn(module, attention)

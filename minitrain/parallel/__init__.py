@@ -8,7 +8,8 @@ Used by notebooks/11_putting_it_together.ipynb and ``python -m minitrain.train``
   ``apply_tensor_parallel``, ``apply_context_parallel``, ``apply_pipeline``,
   ``apply_data_parallel``, each over its mesh group (torchtitan's way); ``full_layout``;
 - ``trainer.py``: ``ParallelGPT``, the trainer (batching, micro-batches, the step, the loss
-  averaged over the replicas, ``state()`` / ``load_state()``); ``single_process_losses``;
+  averaged over the replicas, ``state()`` / ``load_state()``); ``reference.py``:
+  ``single_process_losses``, the one-process curve every layout is compared with;
 - ``planner.py``: memory and step time of every layout from the chapters' formulas, ``plan``
   (``params_per_rank`` is an exercise); ``layouts.py``: ``Layout``, ``enumerate_layouts``;
 - ``published_layouts.py``: Megatron-LM 2021 and Llama 3 405B, to hold the planner against;
@@ -57,13 +58,14 @@ from minitrain.parallel.published_layouts import (
     h100_cluster,
     published_cases,
 )
+from minitrain.parallel.reference import single_process_losses
 from minitrain.parallel.run_checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_run,
     save_run,
 )
-from minitrain.parallel.trainer import ParallelGPT, single_process_losses
+from minitrain.parallel.trainer import ParallelGPT
 
 __all__ = [
     "AXES",

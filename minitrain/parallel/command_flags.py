@@ -91,7 +91,10 @@ def add_schedule_and_data_flags(p: argparse.ArgumentParser) -> None:
     sched.add_argument("--min-lr", type=float, default=None,
                        help="where cosine ends, ≤ --lr (default: 0.1 × --lr; only with "
                             "--lr-schedule cosine)")
-    sched.add_argument("--dropout", type=float, default=0.0, help="dropout probability, [0, 1)")
+    sched.add_argument("--dropout", type=float, default=0.0, help="dropout probability, [0, 1); every mask is a function of "
+                       "(seed, step, layer, global position), so every layout follows one "
+                       "process's curve (under --cp, attention dropout gathers K and V "
+                       "instead of running the ring)")
     data = p.add_argument_group("data and evaluation")
     data.add_argument("--data", default=None, metavar="FILE",
                       help="train on this text file's bytes (byte-level tokens, vocabulary 256), "

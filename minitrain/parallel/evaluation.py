@@ -20,6 +20,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from minitrain.checkpointing import get_rng_state, set_rng_state
 from minitrain.pipeline import PipelineStage, StepState
 from minitrain.tensor_parallel.random import load_rng_state_dict, rng_state_dict
 
@@ -70,7 +71,8 @@ def evaluation_mode(modules: list, model):
     (``model``'s TP dropout streams) random states as they were — nothing should have drawn
     from them; if anything did, it is undone, and training continues bit-exactly."""
     modes = [m.training for m in modules]
-    cpu_rng, streams = torch.get_rng_state(), rng_state_dict(model)
+    devices = sorted({p.device for p in model.parameters() if p.device.type != "cpu"}, key=str)
+    generators, streams = get_rng_state(devices), rng_state_dict(model)
     for m in modules:
         m.eval()
     try:
@@ -78,7 +80,7 @@ def evaluation_mode(modules: list, model):
     finally:
         for m, mode in zip(modules, modes):
             m.train(mode)
-        torch.set_rng_state(cpu_rng)
+        set_rng_state(generators)
         load_rng_state_dict(model, streams)
 
 

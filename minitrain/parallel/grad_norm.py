@@ -114,8 +114,9 @@ def clip_(grads: OwnedGradients, total: torch.Tensor, max_norm: float) -> None:
 
 class GradientStep:
     """Between backward and the update: unscale (fp16), agree on overflow over the whole mesh,
-    the global norm, clipping. ``metrics`` holds the step's ``grad_norm`` (before clipping)
-    and, with a scaler, ``loss_scale`` (the S this step's backward used)."""
+    the global norm, clipping. ``metrics`` holds the step's ``grad_norm`` (before clipping; a
+    0-dim device tensor, so the host waits once per step, when the trainer reads every number
+    together) and, with a scaler, ``loss_scale`` (the S this step's backward used)."""
 
     def __init__(self, grads: OwnedGradients | None, max_norm: float = 0.0, scaler=None):
         self.grads, self.max_norm, self.scaler = grads, max_norm, scaler
@@ -131,7 +132,7 @@ class GradientStep:
             # the whole mesh (group=None): every rank skips, or none does
             overflow = self.scaler.all_reduce_found_inf(optimizer, None)
         total = global_grad_norm(self.grads)
-        self.metrics["grad_norm"] = total.item()
+        self.metrics["grad_norm"] = total  # a device tensor: the trainer reads it with the rest
         if self.max_norm > 0 and not overflow:
             clip_(self.grads, total, self.max_norm)
         return not overflow

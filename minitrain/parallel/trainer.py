@@ -26,7 +26,8 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from minitrain.data import MarkovChainData, get_batch
+from minitrain.checkpointing import get_rng_state, set_rng_state
+from minitrain.data import MarkovChainData
 from minitrain.ddp import DataParallel
 from minitrain.model import GPT, GPTConfig
 from minitrain.moe import moe_layers, set_aux_loss_scale
@@ -34,7 +35,6 @@ from minitrain.parallel.evaluation import held_out_loss, set_optimizer_lr
 from minitrain.parallel.grad_norm import GradientStep, owned_parameters, owned_zero_shards
 from minitrain.parallel.mesh import DeviceMesh, check_layout
 from minitrain.parallel.parallelize import (
-    OPTIMIZERS,
     check_composition,
     full_layout,
     parallelize,
@@ -187,10 +187,24 @@ class ParallelGPT:
             self.optimizer.step()  # the pre-hook unscales, agrees, measures and clips
         else:
             self.gradient_step.step(self.optimizer)
-        self.last_metrics = dict(self.gradient_step.metrics)
+        # the step's numbers, read by the host once (on a GPU each .item() waits for the queue):
+        # the loss and the routers' Switch loss averaged over DP × CP in one all-reduce, the
+        # global norm (already the mesh's), the loss scale (a host float)
+        total = torch.as_tensor(total, device=self.device).reshape(())
+        means = [total]
+        if self.moe_layers:
+            means.append(aux.reshape(()).to(total.dtype))
+        means = self.reduce_means(torch.stack(means))
+        metrics = dict(self.gradient_step.metrics)
+        norm = metrics.pop("grad_norm", None)
+        scalars = torch.cat([means, norm.reshape(1).to(means)] if norm is not None else [means])
+        host = scalars.tolist()  # the one host synchronisation of a step
+        if norm is not None:
+            metrics["grad_norm"] = host[-1]
         if self.moe_layers:  # the global mean, the same number on every rank
-            self.last_metrics["aux_loss"] = self.reduce_loss(aux)
-        return self.reduce_loss(total) / scale
+            metrics["aux_loss"] = host[1]
+        self.last_metrics = metrics
+        return host[0] / scale
 
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next ``step``, on whatever optimizer this layout uses
@@ -202,22 +216,28 @@ class ParallelGPT:
         dropout, no gradient, no step, the RNG untouched; the same on every layout."""
         return held_out_loss(self, self.eval_batches)
 
-    def reduce_loss(self, local: torch.Tensor) -> float:
-        """The mean over data- and context-parallel ranks (TP ranks already agree): one fp32
-        all-reduce (every rank holds as many tokens)."""
-        t = local.detach().reshape(1).clone()
+    def reduce_means(self, local: torch.Tensor) -> torch.Tensor:
+        """The mean of each element over data- and context-parallel ranks (TP ranks already
+        agree): one all-reduce (every rank holds as many tokens); a new tensor, on the device."""
+        t = local.detach().clone()
         if self.replicas > 1:
             dist.all_reduce(t, group=self.dp_group)
             t /= self.replicas
-        return t.item()
+        return t
+
+    def reduce_loss(self, local: torch.Tensor) -> float:
+        """``reduce_means`` of one number, read by the host."""
+        return self.reduce_means(local.reshape(1)).item()
 
     def state(self) -> dict:
         """What a checkpoint must hold to continue bit-exactly: weights, fp32 masters,
         optimizer, loss scale, RNG."""
-        out = {"model": self.model_state(), "rng": torch.get_rng_state(),
+        out = {"model": self.model_state(), "rng": get_rng_state(self.generator_devices()),
                "tp_rng": rng_state_dict(self.model)}  # TP dropout's per-rank streams
         if isinstance(self.wrapped, ZeroDataParallel):  # its shards and its inner optimizer
             out["shards"] = [u.master.detach().clone() for u in self.wrapped.live_units()]
+            # and the buffers, which no unit holds (a router's DeepSeek-V3 bias and load)
+            out["buffers"] = {n: b.detach().clone() for n, b in self.model.named_buffers()}
             out["optimizer"] = self.wrapped.optimizer.state_dict()
         elif self.masters:  # the fp32 masters keep digits the bf16/fp16 model cannot hold
             out["masters"] = [p.detach().clone() for p in self.optimizer.master_params]
@@ -227,6 +247,13 @@ class ParallelGPT:
         if self.scaler is not None:
             out["scaler"] = self.scaler.state_dict()
         return out
+
+    def generator_devices(self) -> list:
+        """The accelerators whose generators this rank may draw from besides the CPU's: saved
+        and restored with the CPU's, or a resumed run's random numbers would restart there.
+        The trainer's dropout draws from none (its masks are keyed: ``minitrain.dropout``), but
+        anything else random on the device does (a module's own ``rand_like``, sampling)."""
+        return [] if self.device.type == "cpu" else [self.device]
 
     def model_state(self) -> dict:
         """The weights this rank holds. Under ZeRO the shards (``state()["shards"]``) are
@@ -245,6 +272,9 @@ class ParallelGPT:
                     u.shard.copy_(saved)  # rounded to the compute dtype, if one
             self.wrapped.optimizer.load_state_dict(state["optimizer"])
             self.wrapped.refresh_from_shards()  # the module's parameters from the shards
+            with torch.no_grad():
+                for name, b in self.model.named_buffers():
+                    b.copy_(state.get("buffers", {}).get(name, b))
         elif self.masters:
             self.model.load_state_dict(state["model"])
             with torch.no_grad():
@@ -256,7 +286,8 @@ class ParallelGPT:
             self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None:
             self.scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng"])
+        rng = state["rng"]  # every generator the run draws from (an old file: the CPU's)
+        set_rng_state(rng if isinstance(rng, dict) else {"cpu": rng})
         load_rng_state_dict(self.model, state.get("tp_rng", {}))
 
     def state_dict(self) -> dict:
@@ -267,28 +298,3 @@ class ParallelGPT:
         """``load_state(state)``, under the name torch's modules and optimizers give it."""
         self.load_state(state)
 
-
-def single_process_losses(config: GPTConfig, steps: int, batch_size: int, lr: float,
-                          seed: int, first_step: int = 0, optimizer: str = "adamw",
-                          data=None) -> list[float]:
-    """The reference: the dense GPT, AdamW (or ``optimizer``), the whole global batch, one
-    process; ``data`` as ``ParallelGPT``'s (default: the synthetic chain)."""
-    torch.manual_seed(seed)
-    model = GPT(config)
-    keys = model.dropout_keys  # keyed dropout, as ParallelGPT's: the same masks (model.py)
-    opt = OPTIMIZERS[optimizer](model.parameters(), lr=lr)
-    losses = []
-    for step in range(first_step, first_step + steps):
-        if data is not None:
-            x, y = data.get_batch(step, batch_size)
-        else:
-            x, y = get_batch(step, batch_size, vocab_size=config.vocab_size,
-                             seq_len=config.seq_len, seed=seed)
-        opt.zero_grad(set_to_none=True)
-        keys.current = keys.key(seed, step, torch.arange(batch_size, device=x.device),
-                                torch.arange(x.shape[1], device=x.device))
-        loss = model.loss(x, y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses

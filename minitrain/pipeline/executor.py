@@ -7,7 +7,7 @@ Public API (what later chapters compose with):
 
     stage = PipelineStage(model, group=None, num_chunks=1, checkpointing=None, checkpoint_k=1)
     loss = stage.train_step(inputs, targets, schedule, num_microbatches, dp_group=None,
-                            positions=None)
+                            positions=None, dropout_keys=None)
 
 - ``model``: the course's GPT (dense, or already tensor-parallel through
   ``minitrain.tensor_parallel.apply_tensor_parallel``, with or without sequence parallelism).
@@ -17,7 +17,7 @@ Public API (what later chapters compose with):
   keeps the dense model's names. Blocks are split over the ``p * num_chunks`` virtual stages
   as evenly as possible, the first ``L mod V`` virtual stages getting one extra block
   (``split_blocks``): the last stage already carries the head and the loss.
-- ``positions``: where the tokens sit, for the first stage's embedding (a CP shard's, ch. 11).
+- ``positions``: where the tokens sit (a CP shard's); ``dropout_keys``: each micro-batch's key.
 - ``group``: the pipeline's process group (None: the default group); stage = rank in it.
   With ``num_chunks = v``, chunk c of stage s holds virtual stage ``c * p + s``.
 - ``checkpointing``: a chapter-3 policy ("full", "every_k", "segments", "selective") applied
@@ -70,12 +70,12 @@ class StepState:
     def __init__(self, inputs, targets, num_microbatches, split_backward, positions=None):
         self.inputs, self.targets = inputs, targets  # per micro-batch
         self.positions = positions  # where the tokens sit (None: 0..s-1), for the embedding
+        self.dropout_keys = None  # per micro-batch: its DropoutKey (layout-free masks), or None
         self.num_microbatches = num_microbatches
         self.split_backward = split_backward  # the schedule has W actions
         self.saved = {}  # (mb, chunk) -> (input, output) kept for backward
         self.pending_w = {}  # (mb, chunk) -> output gradient, for W
-        self.losses = []
-        self.sends = []  # (work, tensor): isends to wait for
+        self.losses, self.sends = [], []  # the micro-batches' losses; (work, tensor): isends
 
 
 class PipelineStage(nn.Module):
@@ -180,8 +180,9 @@ class PipelineStage(nn.Module):
         Returns (the activation its blocks started from — ``x``, or the embedding on the
         first virtual stage — and the output: on the last virtual stage, the loss / m)."""
         module = self.chunks[chunk]
-        # as the GPT's forward: dropout on this rank's shard of the sequence on its own stream
-        rng = getattr(self.model, "shard_rng", None)
+        rng = getattr(self.model, "shard_rng", None)  # as the GPT's forward: SP dropout's stream
+        if state.dropout_keys is not None:  # micro-batch mb's key, whatever ran before it
+            self.model.dropout_keys.current = state.dropout_keys[mb]
         with trace.span(f"F{mb}" + (f".{chunk}" if self.num_chunks > 1 else ""), "compute"):
             with nullcontext() if rng is None else rng.fork(x.device):
                 if module.first:
@@ -211,8 +212,7 @@ class PipelineStage(nn.Module):
 
     # ------------------------------------------------------------------ the step
     def train_step(self, inputs, targets, schedule, num_microbatches: int,
-                   dp_group: ProcessGroup | None = None,
-                   positions=None):
+                   dp_group: ProcessGroup | None = None, positions=None, dropout_keys=None):
         m, batch = num_microbatches, inputs.shape[0]
         if not isinstance(m, int) or m < 1 or batch % m:
             raise ValueError(f"{m} micro-batches do not divide the batch of {batch} sequences")
@@ -224,7 +224,7 @@ class PipelineStage(nn.Module):
         state = StepState([t.clone() for t in inputs.chunk(m)],
                           [t.clone() for t in targets.chunk(m)], m,
                           split and self.checkpointing is None, positions)
-        state.key = (tuple(inputs.shape[1:]), batch // m)
+        state.key, state.dropout_keys = (tuple(inputs.shape[1:]), batch // m), dropout_keys
         ref = next(self.parameters())  # every stage holds at least one block
         # the last stage sends the loss to every other one (step_messages.py: on gloo the
         # receive is posted now, so the send leaves the moment the loss exists)

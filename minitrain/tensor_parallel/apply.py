@@ -21,7 +21,8 @@ backward does the sum.
 ``apply_tensor_parallel`` walks the table and puts a new module, built from the dense one,
 where the dense one was (no object changes class): parameter names stay the dense model's and
 a dense checkpoint maps onto the shards by name and slice. What changes in the GPT as a whole
-goes through its extension points (minitrain.model): ``loss_fn`` and ``shard_rng``.
+goes through its extension points (minitrain.model): ``loss_fn``, ``shard_rng`` and, for keyed
+dropout, ``dropout_keys.sequence_shard`` (each attention's ``first_head`` says its heads).
 """
 
 from __future__ import annotations
@@ -108,12 +109,15 @@ class TensorParallelAttention(CausalSelfAttention):
     def from_attention(cls, dense: CausalSelfAttention, config: GPTConfig,
                        group: ProcessGroup | None, sequence_parallel: bool,
                        rng: TensorParallelRNG) -> TensorParallelAttention:
-        """``dense``'s projections (the plan splits them next), attention function and dropout."""
+        """``dense``'s projections (the plan splits them next), attention function and dropout
+        (keyed dropout: its layer, and the global index of this rank's first head)."""
         with torch.device("meta"):  # placeholder Linears: no memory, no random numbers drawn
-            attn = cls(config, dense.attention_fn)
+            attn = cls(config, dense.attention_fn, dense.layer, dense.dropout_keys)
         for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
             setattr(attn, name, getattr(dense, name))
         attn.head_dim, attn.dropout = dense.head_dim, dense.dropout
+        rank, t = group_rank_and_size(group)
+        attn.first_head = rank * (config.n_head // t)  # rank r holds heads r·a/t .. (r+1)·a/t
         attn.group, attn.sequence_parallel, attn.rng = group, sequence_parallel, rng
         return attn.train(dense.training)
 
@@ -214,5 +218,7 @@ def apply_tensor_parallel(model: GPT, group: ProcessGroup | None = None,
     # with SP, every dropout between embedding and head on this rank's stream (its shard)
     model.loss_fn = partial(vocab_parallel_cross_entropy, group=group)
     model.shard_rng = rng if sp else None
+    if sp:  # keyed dropout: the residual stream holds this rank's contiguous 1/t of the positions
+        model.dropout_keys.sequence_shard = (rank, t)
     model.tp_group, model.tp_size, model.sequence_parallel, model.tp_rng = group, t, sp, rng
     return model

@@ -12,6 +12,14 @@ the shared stream is untouched by what ran inside.
 The stream is state like the default generator's: activation checkpointing replays it in the
 recompute (``get_state`` / ``set_state``, as Megatron-LM's CheckpointFunction does with its
 CUDA RNG tracker), and a run checkpoint saves it (``rng_state_dict(model)``).
+
+How it relates to keyed dropout (``minitrain.dropout``, chapter 11): these streams make
+tensor parallelism *consistent* (replicas agree, shards differ) but not equal to one process —
+a rank's heads draw from a stream one process never has. When the GPT's ``dropout_keys``
+holds a key (``ParallelGPT`` sets one per micro-batch), every mask is a function of its
+element's global coordinates instead (a rank's heads are addressed by their global index),
+nothing is drawn from these streams, and the curve is one process's. Without a key (chapter 6,
+notebook 06) dropout draws from them as described above.
 """
 
 from __future__ import annotations

@@ -245,6 +245,19 @@ def checkpointing():
     return _numbers(loss, params=[p.grad for p in model.parameters()])
 
 
+def keyed_dropout():
+    """Issue 40: dropout keyed by global coordinates — TP + SP under recomputation, and CP's
+    attention over gathered keys and values — through the trainer."""
+    from minitrain.parallel import ParallelGPT
+
+    losses = []
+    for layout in (dict(tp=2, sequence_parallel=True, checkpointing="full"), dict(cp=2)):
+        job = ParallelGPT(GPTConfig(**CONFIG, dropout=0.1), layout, 4, 1e-2, seed=0)
+        losses += [job.step(s) for s in range(2)]
+        _record(job.model)
+    return _numbers(*losses)
+
+
 def mixed_precision():
     from minitrain.precision import DynamicLossScaler, MasterWeightOptimizer
 
@@ -276,6 +289,7 @@ CASES = {
     "PipelineStage 1F1B": (pipeline, 2),
     "expert-parallel MoE": (moe, 2),
     "ring attention": (ring, 2),
+    "keyed dropout (TP + SP, CP)": (keyed_dropout, 2),
     "FlashAttention": (flash, 1),
     "FlashAttention Triton": (flash_triton, 1),
     "activation checkpointing": (checkpointing, 1),

@@ -15,11 +15,13 @@ PARAM_CONFIGS = [
     GPTConfig(vocab_size=50, seq_len=16, n_layer=3, n_head=2, d_model=32, d_ff=80),
     GPTConfig(vocab_size=17, seq_len=9, n_layer=1, n_head=3, d_model=12, bias=False),
     GPTConfig(vocab_size=100, seq_len=8, n_layer=2, n_head=4, d_model=16, tie_weights=True),
+    GPTConfig(vocab_size=20, seq_len=8, n_layer=2, n_head=2, d_model=8, bias=False,
+              moe_experts=3),
 ]
 
 
 @pytest.mark.exercise("gpt_num_params", points=2)
-@pytest.mark.parametrize("config", PARAM_CONFIGS, ids=["default", "d_ff", "no_bias", "tied"])
+@pytest.mark.parametrize("config", PARAM_CONFIGS, ids=["default", "d_ff", "no_bias", "tied", "experts"])
 def test_gpt_num_params(config):
     counted = sum(p.numel() for p in GPT(config).parameters())  # each shared tensor once
     mine = model_mod.gpt_num_params(config)
