@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import torch
-from minitrain.flash_attention.tiles import BLOCK_K, causal_mask, visible_key_blocks
+from minitrain.flash_attention.tiles import BLOCK_K, causal_mask, tile_matmul, visible_key_blocks
 
 
 def online_softmax_update(m, row_sum, acc, s, v):
@@ -25,12 +25,14 @@ def online_softmax_update(m, row_sum, acc, s, v):
 
     Requirements and why: every sum so far is relative to the old running max, so when the
     max grows they must be rescaled before this tile is added (else the earlier tiles count
-    e^(m_new - m_old) times too much); the probabilities meet ``v`` in ``v``'s dtype (a
-    matmul takes one dtype; on a GPU that is the fast bf16 tensor-core product) and the
-    product is added in the accumulation dtype; masked scores (-inf) must count for nothing.
+    e^(m_new - m_old) times too much); the product of the probabilities with ``v`` is
+    accumulated in the accumulation dtype, never rounded to ``v``'s bf16 (``tile_matmul``;
+    the probabilities may be rounded to ``v``'s dtype first, as a tensor core's bf16 operand
+    is); masked scores (-inf) must count for nothing.
     """
     # HINT: first the new running max; then this tile's exponentials relative to it, and the
-    # HINT: factor that moves the old sums from the old max to the new one
+    # HINT: factor that moves the old sums from the old max to the new one; the product with v
+    # HINT: through tile_matmul(..., acc.dtype) (a bf16 @ bf16 would return bf16)
     raise NotImplementedError("exercise: write online_softmax_update (see its docstring)")
 
 
@@ -41,7 +43,8 @@ def forward_query_block(q_i, k, v, i0: int, causal: bool, block_k: int = BLOCK_K
     dtype ``torch.promote_types(q_i.dtype, torch.float32)`` (fp32; fp64 for fp64 inputs).
 
     Start from m = -inf, row_sum = 0, acc = 0 (in that dtype); for each visible key block
-    compute the scaled scores q_i k_j^T / sqrt(D) (in that dtype), put -inf where
+    compute the scaled scores q_i k_j^T / sqrt(D), accumulated in that dtype from the
+    16-bit inputs (``tile_matmul``: never rounded to bf16 first), put -inf where
     ``causal_mask`` says, fold them in with ``online_softmax_update``; at the end
     out_i = acc / row_sum and lse_i = m + log(row_sum).
     """
@@ -50,6 +53,7 @@ def forward_query_block(q_i, k, v, i0: int, causal: bool, block_k: int = BLOCK_K
     acc_dtype = torch.promote_types(q_i.dtype, torch.float32)  # bf16/fp16 -> fp32, fp64 stays
     # HINT: visible_key_blocks(i0, i1, k, block_k, causal, log) gives the tiles
     # HINT: the mask of a tile comes from causal_mask(i0, i1, j0, j1); fill those scores with -inf
+    # HINT: scores of bf16 tiles: tile_matmul(q_i, k_j^T, acc_dtype) (a bf16 @ rounds them to bf16)
     raise NotImplementedError("exercise: write forward_query_block (see its docstring)")
 
 
@@ -63,11 +67,15 @@ def block_backward(q_i, k_j, v_j, do_i, lse_i, delta_i, mask=None):
 
     with D_i = rowsum(dO_i * O_i) (``delta_i``). Returns (dq_i, dk_j, dv_j) in the accumulation
     dtype ``torch.promote_types(q_i.dtype, torch.float32)`` (fp32; fp64 for fp64 inputs), shaped
-    like q_i, k_j, v_j broadcast against each other (a GQA group's heads not yet summed).
+    like q_i, k_j, v_j broadcast against each other (a GQA group's heads not yet summed). Every
+    product is accumulated in that dtype, never rounded to the inputs' bf16 (``tile_matmul``):
+    the scores and dP exactly from the 16-bit inputs; P and dS may be rounded to the inputs'
+    dtype as operands (a tensor core's bf16 operands, as here and in the Triton kernel).
     """
     scale = 1.0 / math.sqrt(q_i.shape[-1])
     acc_dtype = torch.promote_types(q_i.dtype, torch.float32)  # bf16/fp16 -> fp32, fp64 stays
     # HINT: dS = P * (dP - D_i) is the softmax's backward: D_i = sum_j P_ij dP_ij
+    # HINT: every product through tile_matmul(..., acc_dtype), so bf16 tiles give fp32 results
     raise NotImplementedError("exercise: write block_backward (see its docstring)")
 
-# minitrain-exercises-hash: 05c34c215160f9ab
+# minitrain-exercises-hash: 62a53f0fdc05ff00

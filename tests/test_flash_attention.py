@@ -5,7 +5,8 @@ and the course GPT trained with it against naive attention.
 Tolerances: fp32 outputs and gradients within 2e-5 absolute (+1e-5 relative) of SDPA — the
 tiles sum in another order, a few fp32 rounding steps on values of order 1; bf16 within 3e-2
 of the fp32 result on the same bf16 inputs (bf16 keeps 8 mantissa bits: 2^-8 ≈ 4e-3 per
-rounding, a few roundings of values of order 1 in P, P V, dS).
+rounding, a few roundings of values of order 1 in P, P V, dS); bf16/fp16 vs fp64 within 1.25x
+SDPA's FlashAttention kernel's error (fp32 scores).
 """
 
 import math
@@ -13,6 +14,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from minitrain.data import get_batch
@@ -23,6 +25,7 @@ from minitrain.flash_attention import (
     flash_attention_backward,
     flash_attention_fn,
     flash_attention_forward,
+    tiles,
 )
 from minitrain.flash_attention.io_model import (
     causal_tiles,
@@ -39,9 +42,7 @@ FP32 = dict(atol=2e-5, rtol=1e-5)
 
 def _qkv(shape_q, shape_k, dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(shape_q, generator=g).to(dtype).requires_grad_()
-    k = torch.randn(shape_k, generator=g).to(dtype).requires_grad_()
-    v = torch.randn(shape_k, generator=g).to(dtype).requires_grad_()
+    q, k, v = (torch.randn(s, generator=g).to(dtype).requires_grad_() for s in (shape_q, shape_k, shape_k))
     return q, k, v, torch.randn(shape_q, generator=g).to(dtype)
 
 
@@ -66,9 +67,15 @@ CASES = [  # (q shape, k shape): odd N, N = 1, ragged tiles, d not a power of tw
 ]
 
 
+@pytest.fixture(params=["fused", "readable"])  # fp32 takes the fused tiles; here also the
+def tile_path(request, monkeypatch):  # readable ones (the bf16 path, the exercises' solutions)
+    if request.param == "readable":
+        monkeypatch.setattr(tiles, "_fused", lambda *tensors: False)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shapes", CASES, ids=lambda s: f"{s[0]}-{s[1]}")
-def test_matches_sdpa_fp32(shapes, causal):
+def test_matches_sdpa_fp32(shapes, causal, tile_path):
     q, k, v, do = _qkv(*shapes)
     for name, ours, ref in zip(("out", "dq", "dk", "dv"), _flash(q, k, v, do, causal),
                                _reference(q, k, v, do, causal)):
@@ -89,6 +96,43 @@ def test_bf16_close_to_fp32_oracle():
     for name, a, b in zip(("out", "dq", "dk", "dv"), ours, ref):
         assert a.dtype == torch.bfloat16, name
         torch.testing.assert_close(a.float(), b, atol=3e-2, rtol=2e-2, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _naive_fp64(q, k, v, do, causal):
+    """out, dq, dk, dv of attention written out in fp64 on the same (16-bit) input values."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), -math.inf)
+    out = torch.softmax(s, -1) @ v
+    return (out, *torch.autograd.grad(out, (q, k, v), do.double()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_16_bit_scores_accumulate_in_fp32_as_accurate_as_sdpa(dtype, causal):
+    # issue 40: the tiles rounded q_i k_j^T to bf16 before the fp32 softmax. vs fp64: as accurate
+    # as SDPA's CPU FlashAttention kernel (fp32 scores; P, dS rounded as operands, as tensor cores
+    # do). q, k of scale 2: a bf16 score costs 2^-9 |score| per probability (old: 2-4x SDPA's).
+    q, k, v, do = _qkv((1, 2, 50, 32), (1, 2, 50, 32), dtype=dtype, seed=3)
+    q, k = (t.detach().mul(2).requires_grad_() for t in (q, k))  # exact: a power of two
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        sdpa = _reference(q, k, v, do, causal)
+    ours = _flash(q, k, v, do, causal, 16, 16)
+    assert [t.dtype for t in ours] == [dtype] * 4  # returned in the input dtype
+    for name, a, b, c in zip(("out", "dq", "dk", "dv"), ours, sdpa, _naive_fp64(q, k, v, do, causal)):
+        # ||x - exact|| / ||exact||: stabler than the largest of a few thousand errors
+        e, e_sdpa = (((x.double() - c).norm() / c.norm()).item() for x in (a, b))
+        assert e <= 1.25 * e_sdpa, f"{dtype} {name}: relative error {e:.3g} vs fp64, SDPA's {e_sdpa:.3g}"
+
+
+@pytest.mark.parametrize("tile_path", ["readable"], indirect=True)
+def test_readable_tiles_keep_fp64_in_fp64(tile_path):
+    # fp64 takes the fused tiles: here the readable ones must stay fp64 too, never pass fp32
+    q, k, v, do = _qkv((1, 2, 21, 8), (1, 2, 21, 8), dtype=torch.float64)
+    ours = _flash(q, k, v, do, True, 8, 5)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), ours, _naive_fp64(q, k, v, do, True)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _scores_lse(q, k, causal):  # the oracle's logsumexp, written out
@@ -112,7 +156,7 @@ def test_saved_tensors_hold_one_logsumexp_of_shape_batch_n(causal):
     torch.testing.assert_close(q.grad, ref[1], **FP32)
 
 
-def test_backward_with_global_out_and_lse_gives_each_key_blocks_share():
+def test_backward_with_global_out_and_lse_gives_each_key_blocks_share(tile_path):
     # ring attention (chapter 10): each rank holds a key block; with the GLOBAL output and
     # logsumexp, the blocks' dq add up and their dk, dv are the global ones' slices
     q, k, v, do = _qkv((1, 2, 24, 8), (1, 2, 24, 8))

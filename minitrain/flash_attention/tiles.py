@@ -13,9 +13,12 @@ shares one k/v head — done by broadcasting, never by copying k and v.
 
 Precision: scores, the running max/sum and the accumulators are in
 ``torch.promote_types(dtype, torch.float32)``: fp32 for bf16/fp16/fp32 inputs (as the CUDA
-kernels keep them in fp32 registers), fp64 for fp64 inputs (never silently fp32); the
-matmul inputs keep their dtype. ``scaled_dot_product_attention`` is the tests' oracle and
-is never called here.
+kernels keep them in fp32 registers), fp64 for fp64 inputs (never silently fp32). Every tile
+matmul (S = q k^T, P V, dP = dO V^T, dS K, dS^T Q, P^T dO) takes operands with 16-bit values
+(P and dS rounded to the inputs' dtype) and accumulates in that dtype (``tile_matmul``), as
+FlashAttention-2's kernels (Dao 2023) and ``triton_kernels.py``'s ``tl.dot`` do on tensor
+cores; outputs and gradients are returned in the inputs' dtype.
+``scaled_dot_product_attention`` is the tests' oracle and is never called here.
 
 Public: ``flash_attention_forward(q, k, v, causal) -> (out, lse)`` and
 ``flash_attention_backward(q, k, v, out, lse, grad_out, causal) -> (dq, dk, dv)``. The
@@ -82,6 +85,18 @@ def visible_key_blocks(i0: int, i1: int, k, block_k: int, causal: bool, log=None
     return visit
 
 
+def tile_matmul(a, b, acc_dtype):
+    """``a @ b`` accumulated and returned in ``acc_dtype`` (fp32 for bf16/fp16 operands, fp64
+    for fp64): what a tensor core and Triton's ``tl.dot`` do with 16-bit operands, products
+    summed in fp32 (Micikevicius et al. 2018, section 3.3; FlashAttention-2, Dao 2023).
+
+    Why cast first: a PyTorch matmul of two bf16 tensors returns bf16, rounding every score to
+    8 bits before the fp32 softmax (issue 40: 2-4x the error against fp64). A product of two
+    bf16 (fp16) values has at most 16 (22) significant bits, exact in fp32's 24, so the casts
+    lose nothing; fp32 and fp64 operands pass through uncopied."""
+    return a.to(acc_dtype) @ b.to(acc_dtype)
+
+
 def online_softmax_update(m, row_sum, acc, s, v):
     """Fold one tile of scores into the running softmax of its rows (Dao 2023, Alg. 1 l. 8-10).
 
@@ -93,18 +108,20 @@ def online_softmax_update(m, row_sum, acc, s, v):
 
     Requirements and why: every sum so far is relative to the old running max, so when the
     max grows they must be rescaled before this tile is added (else the earlier tiles count
-    e^(m_new - m_old) times too much); the probabilities meet ``v`` in ``v``'s dtype (a
-    matmul takes one dtype; on a GPU that is the fast bf16 tensor-core product) and the
-    product is added in the accumulation dtype; masked scores (-inf) must count for nothing.
+    e^(m_new - m_old) times too much); the product of the probabilities with ``v`` is
+    accumulated in the accumulation dtype, never rounded to ``v``'s bf16 (``tile_matmul``;
+    the probabilities may be rounded to ``v``'s dtype first, as a tensor core's bf16 operand
+    is); masked scores (-inf) must count for nothing.
     """
     ### BEGIN SOLUTION
     # HINT: first the new running max; then this tile's exponentials relative to it, and the
-    # HINT: factor that moves the old sums from the old max to the new one
+    # HINT: factor that moves the old sums from the old max to the new one; the product with v
+    # HINT: through tile_matmul(..., acc.dtype) (a bf16 @ bf16 would return bf16)
     m_new = torch.maximum(m, s.amax(dim=-1))
     p = torch.exp(s - m_new[..., None])
     alpha = torch.exp(m - m_new)  # exp(-inf) = 0 on the first tile: nothing to rescale yet
     sum_new = alpha * row_sum + p.sum(dim=-1)
-    acc_new = alpha[..., None] * acc + (p.to(v.dtype) @ v).to(acc.dtype)
+    acc_new = alpha[..., None] * acc + tile_matmul(p.to(v.dtype), v, acc.dtype)
     return m_new, sum_new, acc_new
     ### END SOLUTION
 
@@ -116,7 +133,8 @@ def forward_query_block(q_i, k, v, i0: int, causal: bool, block_k: int = BLOCK_K
     dtype ``torch.promote_types(q_i.dtype, torch.float32)`` (fp32; fp64 for fp64 inputs).
 
     Start from m = -inf, row_sum = 0, acc = 0 (in that dtype); for each visible key block
-    compute the scaled scores q_i k_j^T / sqrt(D) (in that dtype), put -inf where
+    compute the scaled scores q_i k_j^T / sqrt(D), accumulated in that dtype from the
+    16-bit inputs (``tile_matmul``: never rounded to bf16 first), put -inf where
     ``causal_mask`` says, fold them in with ``online_softmax_update``; at the end
     out_i = acc / row_sum and lse_i = m + log(row_sum).
     """
@@ -126,12 +144,13 @@ def forward_query_block(q_i, k, v, i0: int, causal: bool, block_k: int = BLOCK_K
     ### BEGIN SOLUTION
     # HINT: visible_key_blocks(i0, i1, k, block_k, causal, log) gives the tiles
     # HINT: the mask of a tile comes from causal_mask(i0, i1, j0, j1); fill those scores with -inf
+    # HINT: scores of bf16 tiles: tile_matmul(q_i, k_j^T, acc_dtype) (a bf16 @ rounds them to bf16)
     m = torch.full(q_i.shape[:-1], -math.inf, dtype=acc_dtype, device=q_i.device)
     row_sum = torch.zeros(q_i.shape[:-1], dtype=acc_dtype, device=q_i.device)
     acc = torch.zeros(q_i.shape, dtype=acc_dtype, device=q_i.device)
     for j0, j1 in visible_key_blocks(i0, i1, k, block_k, causal, log):
         k_j, v_j = k[..., j0:j1, :], v[..., j0:j1, :]
-        s = (q_i @ k_j.transpose(-2, -1)).to(acc_dtype) * scale
+        s = tile_matmul(q_i, k_j.transpose(-2, -1), acc_dtype) * scale
         mask = causal_mask(i0, i1, j0, j1, q_i.device) if causal else None
         if mask is not None:
             s = s.masked_fill(mask, -math.inf)
@@ -150,21 +169,25 @@ def block_backward(q_i, k_j, v_j, do_i, lse_i, delta_i, mask=None):
 
     with D_i = rowsum(dO_i * O_i) (``delta_i``). Returns (dq_i, dk_j, dv_j) in the accumulation
     dtype ``torch.promote_types(q_i.dtype, torch.float32)`` (fp32; fp64 for fp64 inputs), shaped
-    like q_i, k_j, v_j broadcast against each other (a GQA group's heads not yet summed).
+    like q_i, k_j, v_j broadcast against each other (a GQA group's heads not yet summed). Every
+    product is accumulated in that dtype, never rounded to the inputs' bf16 (``tile_matmul``):
+    the scores and dP exactly from the 16-bit inputs; P and dS may be rounded to the inputs'
+    dtype as operands (a tensor core's bf16 operands, as here and in the Triton kernel).
     """
     scale = 1.0 / math.sqrt(q_i.shape[-1])
     acc_dtype = torch.promote_types(q_i.dtype, torch.float32)  # bf16/fp16 -> fp32, fp64 stays
     ### BEGIN SOLUTION
     # HINT: dS = P * (dP - D_i) is the softmax's backward: D_i = sum_j P_ij dP_ij
-    s = (q_i @ k_j.transpose(-2, -1)).to(acc_dtype) * scale
+    # HINT: every product through tile_matmul(..., acc_dtype), so bf16 tiles give fp32 results
+    s = tile_matmul(q_i, k_j.transpose(-2, -1), acc_dtype) * scale
     p = torch.exp(s - lse_i[..., None])
     if mask is not None:
         p = p.masked_fill(mask, 0.0)
-    dv_j = (p.to(do_i.dtype).transpose(-2, -1) @ do_i).to(acc_dtype)
-    dp = (do_i @ v_j.transpose(-2, -1)).to(acc_dtype)
+    dv_j = tile_matmul(p.to(do_i.dtype).transpose(-2, -1), do_i, acc_dtype)
+    dp = tile_matmul(do_i, v_j.transpose(-2, -1), acc_dtype)
     ds = p * (dp - delta_i[..., None])
-    dq_i = (ds.to(k_j.dtype) @ k_j).to(acc_dtype) * scale
-    dk_j = (ds.to(q_i.dtype).transpose(-2, -1) @ q_i).to(acc_dtype) * scale
+    dq_i = tile_matmul(ds.to(k_j.dtype), k_j, acc_dtype) * scale
+    dk_j = tile_matmul(ds.to(q_i.dtype).transpose(-2, -1), q_i, acc_dtype) * scale
     return dq_i, dk_j, dv_j
     ### END SOLUTION
 

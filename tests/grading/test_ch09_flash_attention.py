@@ -110,8 +110,8 @@ def test_bf16_values_accumulate_in_fp32():
         raise AssertionError(
             f"online_softmax_update with fp32 scores and bf16 v (4x6 scores, 6x3 values, as "
             f"notebook 09's bf16 check runs it) raised RuntimeError: {str(exc).splitlines()[0]} "
-            f"— a matmul needs both sides in one dtype: cast the probabilities to v's dtype "
-            f"for the product, and the product back to acc's dtype") from None
+            f"— a matmul needs both sides in one dtype: cast them to acc's dtype for the "
+            f"product (tile_matmul does)") from None
     assert (m.dtype, row_sum.dtype, acc.dtype) == (torch.float32,) * 3, (
         f"online_softmax_update with bf16 v: m, row_sum, acc must stay in the accumulation "
         f"dtype float32 (summing in bf16 loses digits every tile); got {m.dtype}, "
@@ -121,6 +121,22 @@ def test_bf16_values_accumulate_in_fp32():
     assert (got - want).abs().max().item() < 2e-2, (
         f"online_softmax_update with bf16 v: acc / row_sum differs from softmax(s) @ v by "
         f"{(got - want).abs().max().item():.3g} (bf16 allows about 1e-2)")
+
+
+@pytest.mark.exercise("online_softmax_update", points=1)
+def test_the_product_with_bf16_v_is_accumulated_in_fp32():
+    # scores k * ln 2: the probabilities are powers of two, exact in bf16, so the only error
+    # left is the product's. A tensor core sums bf16 products in fp32 (exact here); a bf16
+    # matmul rounds P v to 8 bits (2^-9 relative) before it reaches the fp32 accumulator
+    s = -math.log(2.0) * ((torch.arange(6) + torch.arange(4)[:, None]) % 6).float()
+    v = _randn(6, 3, seed=23).to(torch.bfloat16)
+    m, row_sum, acc = _fold([s], [v])
+    got, want = (acc / row_sum[:, None]).double(), torch.softmax(s.double(), -1) @ v.double()
+    err = (got - want).abs().max().item()
+    assert err < 1e-5, (
+        f"online_softmax_update with bf16 v: acc / row_sum differs from fp64 softmax(s) @ v by "
+        f"{err:.3g}, with probabilities exact in bf16 (fp32 accumulation gives < 1e-6): the "
+        f"product p @ v was rounded to bf16 — accumulate it in acc's dtype (tile_matmul)")
 
 
 @pytest.mark.exercise("forward_query_block", points=2)
@@ -136,6 +152,62 @@ def test_forward_of_a_query_block_matches_softmax_attention(causal):
         torch.testing.assert_close(lse, lse_ref[:, i0:i1], **TOL,
                                    msg=_says(f"forward_query_block: the logsumexp of rows "
                                              f"{i0}-{i1 - 1}", lse, lse_ref[:, i0:i1]))
+
+
+def _bf16_tile(seed):
+    """bf16 q, k of scale 4 (scores of ~±16: a bf16 score is off by up to 2^-9 * 16 = 0.03,
+    so each probability by ~3 %), v and dO of scale 1."""
+    q, k = (_randn(2, 12, 16, seed=seed + i).mul(4).to(torch.bfloat16) for i in (0, 1))
+    v, do = (_randn(2, 12, 16, seed=seed + i).to(torch.bfloat16) for i in (2, 3))
+    return q, k, v, do
+
+
+def _why(err_fp32, dtype_advice):
+    """What to fix: the dtype if the same values in fp32 come out right, else not the dtype."""
+    if err_fp32 < 1e-4:
+        return dtype_advice
+    return (f"and by {err_fp32:.3g} with the same values in fp32, so the bug is not the dtype "
+            f"(see the fp32 tests' messages)")
+
+
+@pytest.mark.exercise("forward_query_block", points=1)
+def test_bf16_scores_accumulate_in_fp32():
+    q, k, v, _ = _bf16_tile(30)
+    out_ref, lse_ref = _softmax_attention(q.double(), k.double(), v.double(), False)
+    out, lse = tiles.forward_query_block(q, k, v, 0, False, 5)
+    assert (out.dtype, lse.dtype) == (torch.float32,) * 2, (
+        f"forward_query_block with bf16 inputs: out and lse must be in the accumulation dtype "
+        f"float32; got {out.dtype}, {lse.dtype}")
+    out32, lse32 = tiles.forward_query_block(q.float(), k.float(), v.float(), 0, False, 5)
+    errs = [(t.double() - r).abs().max().item() for t, r in ((lse, lse_ref), (lse32, lse_ref))]
+    assert errs[0] < 1e-4, (
+        f"forward_query_block with bf16 q, k, v: the logsumexp differs from fp64's by "
+        f"{errs[0]:.3g} (fp32 scores give ~1e-6), " + _why(errs[1], (
+            "the scores were rounded to bf16 — compute q_i k_j^T with tile_matmul(..., "
+            "acc_dtype), exact products of bf16 values summed in fp32")))
+    err = ((out.double() - out_ref).norm() / out_ref.norm()).item()
+    assert err < 3e-3, (f"forward_query_block with bf16 q, k, v: the output is off by {err:.3g} "
+                        f"(relative, vs fp64; fp32 scores and products give < 1e-3)")
+
+
+@pytest.mark.exercise("block_backward", points=1)
+def test_bf16_tile_gradients_accumulate_in_fp32():
+    q, k, v, do = _bf16_tile(40)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    out, lse = _softmax_attention(q64, k64, v64, False)
+    want = torch.autograd.grad(out, (q64, k64, v64), do.double())
+    delta = (do.double() * out.detach()).sum(-1)
+    stats = lse.detach().float(), delta.float()
+    got = tiles.block_backward(q, k, v, do, *stats)
+    got32 = tiles.block_backward(*(t.float() for t in (q, k, v, do)), *stats)
+    for name, a, a32, b in zip(("dq", "dk", "dv"), got, got32, want):
+        assert a.dtype == torch.float32, f"block_backward with bf16 inputs: {name} is {a.dtype}, not float32"
+        err, err32 = (((t.double() - b).norm() / b.norm()).item() for t in (a, a32))
+        assert err < 6e-3, (
+            f"block_backward with bf16 q, k, v, dO: {name} is off by {err:.3g} (relative, vs "
+            f"fp64; fp32 scores give ~2e-3), " + _why(err32, (
+                "the scores or products were rounded to bf16 — every product through "
+                "tile_matmul(..., acc_dtype)")))
 
 
 @pytest.mark.exercise("forward_query_block", points=1)
