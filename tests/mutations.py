@@ -1683,6 +1683,13 @@ MUTATIONS = [
         "            return\n",
         ["tests/test_fsdp_branches.py::test_per_rank_branches_match_one_process[2]"],
     ),
+    Mutation(
+        "issue 41: Triton's mode read from TRITON_INTERPRET, not chosen per call from the tensors' device",
+        "minitrain/flash_attention/triton_kernels.py",
+        'return _kernels(interpret=torch.device(device).type == "cpu")',
+        'return _kernels(interpret=os.environ.get("TRITON_INTERPRET") == "1")',
+        ["tests/test_device_helpers.py::test_triton_mode_follows_the_tensors_device_not_the_environment"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

@@ -64,13 +64,27 @@ def test_peak_memory_reads_the_gpu_allocator_and_on_the_cpu_the_saved_bytes(monk
     assert m.peak == 4096 and m.source == "torch.cuda.max_memory_allocated"
 
 
-def test_triton_flash_attention_names_a_tensor_on_the_wrong_kind_of_device(monkeypatch):
+def test_triton_flash_attention_names_a_tensor_on_the_wrong_kind_of_device():
     from minitrain.flash_attention import FlashAttentionTritonFunction
 
     q = torch.randn(1, 1, 16, 16, device="cpu")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")  # as on a GPU machine: compiled kernels
-    with pytest.raises(ValueError, match=r"\['cpu'\].*compiled kernels.*cuda"):
-        FlashAttentionTritonFunction.apply(q, q, q, True)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ValueError, match="interpreter.*cpu"):
+    with pytest.raises(ValueError, match=r"\['cpu', 'meta'\].*one device"):
         FlashAttentionTritonFunction.apply(q, q.to("meta"), q, True)
+    with pytest.raises(ValueError, match=r"\['meta'\].*CPU .*interpreter.*CUDA"):
+        FlashAttentionTritonFunction.apply(*(q.to("meta"),) * 3, True)
+
+
+def test_triton_mode_follows_the_tensors_device_not_the_environment(monkeypatch):
+    """Issue 41: the mode was read once, from TRITON_INTERPRET, when the kernels were decorated:
+    on a GPU machine CPU tensors (notebook 09) met compiled kernels. Now per call, by device."""
+    from minitrain.flash_attention import FlashAttentionTritonFunction
+    from minitrain.flash_attention.triton_kernels import kernels_for
+
+    interpreted, compiled = kernels_for(torch.device("cpu")), kernels_for(torch.device("cuda", 0))
+    assert type(interpreted.flash_forward_kernel).__name__ == "InterpretedFunction"
+    assert type(compiled.flash_forward_kernel).__name__ == "JITFunction"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # as a GPU machine's environment says
+    q = torch.randn(1, 1, 8, 8, device="cpu")
+    out = FlashAttentionTritonFunction.apply(q, q, q, True)  # CPU tensors: interpreted anyway
+    ref = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)

@@ -1,22 +1,18 @@
 """Chapter 9: the Triton kernels (run by Triton's interpreter on CPU tensors) against the
 PyTorch tiles and scaled_dot_product_attention, forward and backward, causal or not, GQA.
 
-TRITON_INTERPRET=1 must be set before the kernels are decorated; it is set here before the
-kernels' module is imported (triton_kernels.py also sets it when there is no GPU). It changes
-nothing for other tests: only Triton reads it. The interpreter is slow: sizes stay tiny.
+CPU tensors run the kernels under Triton's interpreter, chosen per call from the device
+(``triton_kernels.kernels_for``): nothing here sets TRITON_INTERPRET. The interpreter is
+slow: sizes stay tiny.
 Tolerance: fp32 within 2e-5 (+1e-5 relative) — tl.dot with input_precision="ieee".
 """
 
-import os
+import pytest
+import torch
+import torch.nn.functional as F
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from minitrain.flash_attention import FlashAttentionFunction  # noqa: E402
-from minitrain.flash_attention.triton_kernels import FlashAttentionTritonFunction  # noqa: E402
+from minitrain.flash_attention import FlashAttentionFunction
+from minitrain.flash_attention.triton_kernels import FlashAttentionTritonFunction
 
 FP32 = dict(atol=2e-5, rtol=1e-5)
 

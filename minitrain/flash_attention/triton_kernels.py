@@ -5,8 +5,11 @@ Triton program loads a block of Q (or K, V) into registers/shared memory, loops 
 other operand's blocks, and writes its result block once. Dao 2023, Algorithm 1 (forward)
 and Algorithm 2 (backward), section 3.2 for the parallelisation over query blocks.
 
-Here (no GPU) the kernels run under Triton's interpreter: set ``TRITON_INTERPRET=1`` before
-Triton is imported and pass CPU tensors. The same code compiles for NVIDIA/AMD GPUs.
+The mode is chosen per call from the tensors' device (``kernels_for``): CPU tensors run under
+Triton's interpreter (numpy on the CPU: correctness only), CUDA tensors run compiled kernels.
+Triton picks a mode when a kernel is *decorated* (reading ``TRITON_INTERPRET``), so this file is
+loaded once more per mode, as a module of its own, with the variable set around the load: a
+notebook can pass CPU tensors on a GPU machine, and no test sets the variable process-wide.
 
 Precision: on GPUs ``tl.dot`` with fp32 inputs defaults to TF32 (10-bit mantissa), which
 differs from fp32 by ~1e-3 relative; comparisons of fp32 results at fp32 tolerance need
@@ -25,23 +28,19 @@ over the group in PyTorch afterwards — no atomics there either.
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import math
 import os
 
 import torch
-
-if not torch.cuda.is_available():
-    # no GPU: Triton's interpreter (numpy on CPU tensors) is the only way these kernels run.
-    # It is chosen when the kernels are decorated, so the variable must be set before that.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import triton  # noqa: E402  (after TRITON_INTERPRET is decided)
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
 # Only Triton *builtins* and our own jitted functions are called inside the kernels, not
 # triton.language's jitted helpers (tl.zeros, tl.max, tl.sum): those were decorated when Triton
-# was first imported — torch may import it (torch.utils.flop_counter) before TRITON_INTERPRET
-# is set above — and a compiled-mode helper cannot run inside an interpreted kernel.
+# was first imported, in whatever mode was set then, and a compiled-mode helper cannot run
+# inside an interpreted kernel (nor the other way round).
 
 
 @triton.jit
@@ -204,16 +203,38 @@ def _launch_args(q, k, groups, causal):
                                                              1.0 / math.sqrt(d))
 
 
-def _check_device(*tensors) -> None:
-    """Compiled kernels read GPU memory; the interpreter (TRITON_INTERPRET=1, no GPU) reads
-    CPU tensors. A tensor on the other kind of device is named here, not met as a crash."""
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    want = "cpu" if interpreted else "cuda"
+def _check_device(*tensors) -> torch.device:
+    """The one device of q, k, v: CPU (Triton's interpreter runs the kernels) or CUDA
+    (compiled kernels). Several devices, or another kind, are named here, not met as a crash."""
     devices = {t.device for t in tensors}
-    if len(devices) > 1 or next(iter(devices)).type != want:
-        how = "Triton's interpreter (TRITON_INTERPRET=1)" if interpreted else "compiled kernels"
+    if len(devices) > 1 or next(iter(devices)).type not in ("cpu", "cuda"):
         raise ValueError(f"FlashAttentionTritonFunction: q, k, v on {sorted(map(str, devices))}, "
-                         f"but {how} need them all on one {want} device")
+                         "but the kernels need them all on one device: a CPU (Triton's "
+                         "interpreter) or a CUDA GPU (compiled kernels)")
+    return next(iter(devices))
+
+
+def kernels_for(device: torch.device):
+    """This file's kernels decorated for ``device``: interpreted for the CPU, compiled for
+    CUDA (a module of their own per mode, loaded once)."""
+    return _kernels(interpret=torch.device(device).type == "cpu")
+
+
+@functools.lru_cache(maxsize=2)
+def _kernels(interpret: bool):
+    name = f"{__name__}.{'interpreted' if interpret else 'compiled'}"
+    spec = importlib.util.spec_from_file_location(name, __file__)
+    module = importlib.util.module_from_spec(spec)
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"  # read by @triton.jit, below
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+    return module
 
 
 BLOCK = 32  # rows per tile; small so the interpreter stays quick (a GPU would use 64-128)
@@ -229,13 +250,13 @@ class FlashAttentionTritonFunction(torch.autograd.Function):
             raise TypeError("FlashAttentionTritonFunction accumulates in fp32 registers, so "
                             "float64 inputs would get fp32 accuracy; use FlashAttentionFunction "
                             "(the PyTorch tiles accumulate fp64 inputs in fp64)")
-        _check_device(q, k, v)
+        kernels = kernels_for(_check_device(q, k, v))
         qf, kf, vf, groups = _as_heads(q, k, v)
         out = torch.empty_like(qf)
         lse = torch.empty(qf.shape[:-1], dtype=torch.float32, device=q.device)
         meta, args = _launch_args(qf, kf, groups, causal)
         grid = (triton.cdiv(qf.shape[-2], BLOCK), qf.shape[0])
-        flash_forward_kernel[grid](qf, kf, vf, out, lse, *args, **meta)
+        kernels.flash_forward_kernel[grid](qf, kf, vf, out, lse, *args, **meta)
         out, lse = out.reshape(q.shape), lse.reshape(q.shape[:-1])
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal = bool(causal)
@@ -254,10 +275,11 @@ class FlashAttentionTritonFunction(torch.autograd.Function):
         dk = torch.empty(z_h, n_k, qf.shape[-1], dtype=torch.float32, device=q.device)
         dv = torch.empty_like(dk)
         dq = torch.empty(qf.shape, dtype=torch.float32, device=q.device)
-        flash_backward_dkdv_kernel[(triton.cdiv(n_k, BLOCK), z_h)](qf, kf, vf, do, lse_f, delta, dk, dv,
-                                                         *args, **meta)
-        flash_backward_dq_kernel[(triton.cdiv(n_q, BLOCK), z_h)](qf, kf, vf, do, lse_f, delta, dq,
-                                                       *args, **meta)
+        kernels = kernels_for(q.device)
+        kernels.flash_backward_dkdv_kernel[(triton.cdiv(n_k, BLOCK), z_h)](
+            qf, kf, vf, do, lse_f, delta, dk, dv, *args, **meta)
+        kernels.flash_backward_dq_kernel[(triton.cdiv(n_q, BLOCK), z_h)](
+            qf, kf, vf, do, lse_f, delta, dq, *args, **meta)
         # a k/v head's gradient is the sum over its group of query heads (consecutive heads)
         dk = dk.reshape(-1, groups, n_k, qf.shape[-1]).sum(1).reshape(k.shape).to(k.dtype)
         dv = dv.reshape(-1, groups, n_k, qf.shape[-1]).sum(1).reshape(v.shape).to(v.dtype)
