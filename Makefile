@@ -39,7 +39,7 @@ test: lint
 # the same checks on a multi-GPU machine (.github/workflows/gpu.yml runs it), after tests/gpu/:
 # every technique's parameters, gradients, optimizer state and buffers on cuda:rank, NCCL
 # kernels in the profiler, bf16 Triton FlashAttention against SDPA, each notebook under nbval
-# with a GPU per rank (tests/gpu is collected and skipped, with the reason, in `make test`).
+# with a GPU per rank (`make unit` leaves tests/gpu out: `make test-gpu` runs it once, first).
 # Launches with a GPU per rank use NCCL for CUDA tensors (minitrain.runtime.rank.default_backend).
 # Without 2 GPUs it refuses, unless GPU_BACKEND forces a backend:
 # `make test-gpu GPU_BACKEND=cpu:gloo` runs `make test` (not tests/gpu) on a CPU machine.
@@ -54,7 +54,7 @@ lint: $(READY)
 	$(BIN)/python -m minitrain.exercises check
 
 unit: $(READY)
-	$(PYTEST) tests --ignore=tests/grading --ignore=tests/browser -q -rs
+	$(PYTEST) tests --ignore=tests/grading --ignore=tests/browser --ignore=tests/gpu -q -rs
 
 grade-verify: $(READY)
 	$(BIN)/python -m minitrain.grade --verify

@@ -19,7 +19,7 @@ import torch
 from minitrain.data import get_batch
 from minitrain.model import GPT, GPTConfig, lm_loss
 from minitrain.parallel import ParallelGPT, full_layout
-from minitrain.runtime import launch
+from minitrain.runtime import get_device, launch
 from minitrain.train import main
 
 CFG = GPTConfig(vocab_size=32, seq_len=16, n_layer=2, n_head=4, d_model=32)
@@ -206,7 +206,7 @@ def _on_meta_default(layouts):
     for layout in layouts:
         job = ParallelGPT(CFG, layout, BATCH, LR, SEED, clip_grad_norm=CLIP)
         devices = {p.device for p in job.model.parameters()} | {job.device}
-        out.append(([job.step(i) for i in range(2)], devices))
+        out.append(([job.step(i) for i in range(2)], devices, get_device()))
     return out
 
 
@@ -215,6 +215,6 @@ def test_the_trainer_names_every_device():
                dict(dp=2, zero=1, optimizer="sgd")]
     free = launch(_train, 2, [(lo, CLIP) for lo in layouts], timeout=300)[0]
     meta = launch(_on_meta_default, 2, layouts, timeout=300)[0]
-    for (losses, devices), metrics in zip(meta, free):
-        assert devices == {torch.device("cpu")}  # get_device() here
+    for (losses, devices, device), metrics in zip(meta, free):
+        assert devices == {device}  # the rank's device (the CPU here, cuda:r on a GPU machine)
         assert losses == [m["loss"] for m in metrics[:2]]

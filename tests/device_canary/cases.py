@@ -2,9 +2,11 @@
 without the device canary (torch's default device ``meta``, factories that must name their
 device: tests/device_canary/sitecustomize.py).
 
-Every case builds its model under ``with torch.device(device)`` (the one place a device is
-named for a whole module tree), makes its data on the CPU with a CPU generator and moves it
-explicitly, runs one or two steps on ``get_device()`` and returns a flat list of floats.
+Every case builds its model on the CPU (``with torch.device("cpu")``: the one place a device
+is named for a whole module tree, and the CPU generator, so a GPU run starts from the very
+weights a CPU run does — issue 41) and moves it to ``get_device()``, makes its data on the CPU
+with a CPU generator and moves it explicitly, runs one or two steps on ``get_device()`` and
+returns a flat list of floats.
 Run as a script, it prints the results of the cases named on the command line as JSON.
 """
 
@@ -36,8 +38,9 @@ def _tokens(batch, seed=1, vocab=32, seq=16):
 
 def _gpt(**kw):
     torch.manual_seed(0)
-    with torch.device(get_device()):
-        return GPT(GPTConfig(**{**CONFIG, **kw}))
+    with torch.device("cpu"):  # the CPU generator's weights, on every device
+        model = GPT(GPTConfig(**{**CONFIG, **kw}))
+    return model.to(get_device())
 
 
 # where each case's state lives: tests/gpu/ checks it is all on the rank's GPU
@@ -79,7 +82,9 @@ def ddp():
     from minitrain.ddp import DataParallel
 
     model = DataParallel(_gpt(), bucket_cap_mb=0.01)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # SGD: tests/gpu compares this case's numbers on the GPU and the CPU, and AdamW's first steps
+    # (lr·sign(g)) would turn the two devices' last-bit differences into lr-sized ones
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
     x, y = _my_rows(*_tokens(4))
     losses = []
     for _ in range(2):
@@ -183,8 +188,8 @@ def moe():
     from minitrain.moe import ExpertParallelMoE, MoELayer
 
     torch.manual_seed(0)
-    with torch.device(get_device()):
-        local = MoELayer(8, 16, 4, top_k=2, capacity_factor=1.5)
+    # the CPU generator's weights, on every device
+    local = MoELayer(8, 16, 4, top_k=2, capacity_factor=1.5, device="cpu").to(get_device())
     ep = ExpertParallelMoE.from_local(local)
     g = _cpu_gen(10 + dist.get_rank())
     x = torch.randn(12, 8, generator=g, device="cpu").to(get_device()).requires_grad_()
