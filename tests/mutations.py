@@ -1690,6 +1690,56 @@ MUTATIONS = [
         'return _kernels(interpret=os.environ.get("TRITON_INTERPRET") == "1")',
         ["tests/test_device_helpers.py::test_triton_mode_follows_the_tensors_device_not_the_environment"],
     ),
+    # issue 41: the strict point-to-point canary (NCCL's semantics on the CPU) and the exchanges
+    Mutation(
+        "issue 41: strict p2p: a send completes before its receiver's stream reaches the receive",
+        "minitrain/runtime/strict_stream.py",
+        '                          "has not reached the matching send")\n            work.wait()\n',
+        '                          "has not reached the matching send")\n'
+        '            if op.kind == "recv":  # a send done once posted: buffered, as gloo\n'
+        "                work.wait()\n",
+        ["tests/test_strict_p2p.py::test_nccl_semantics_under_the_canary_and_gloo_without"],
+    ),
+    Mutation(
+        "issue 41: strict p2p: batch_isend_irecv runs each operation as its own group",
+        "minitrain/runtime/strict_p2p.py",
+        "    return stream.submit(ops)\n",
+        "    return [work for op in ops for work in stream.submit([op])]\n",
+        ["tests/test_strict_p2p.py::test_nccl_semantics_under_the_canary_and_gloo_without"],
+    ),
+    Mutation(
+        "issue 41: launch no longer hands MINITRAIN_P2P=strict to its ranks",
+        "minitrain/runtime/launch.py",
+        "list(_rank_initializers) + strict_p2p_initializers(timeout)",
+        "list(_rank_initializers)",
+        ["tests/test_strict_p2p.py::test_irecv_then_isend_fails_bounded_and_named_under_the_canary"],
+    ),
+    Mutation(
+        "issue 41: init_from_env (torchrun) ignores MINITRAIN_P2P=strict",
+        "minitrain/runtime/rank.py",
+        "    install_from_environment()  # MINITRAIN_P2P=strict: NCCL's point-to-point semantics\n",
+        "",
+        ["tests/test_strict_p2p.py::test_torchrun_path_installs_from_its_own_environment"],
+    ),
+    Mutation(
+        "issue 41: exchange back to irecv then isend (a receive blocking its own send on NCCL)",
+        "minitrain/collectives/exchange.py",
+        "    ops = []\n    if recv.numel():\n        ops.append(dist.P2POp(dist.irecv, recv, src, group))\n"
+        "    if send.numel():\n        ops.append(dist.P2POp(dist.isend, send, dst, group))\n"
+        "        _count(send)\n    for request in dist.batch_isend_irecv(ops) if ops else ():\n"
+        "        request.wait()\n",
+        "    requests = []\n    if recv.numel():\n        requests.append(dist.irecv(recv, src, group=group))\n"
+        "    if send.numel():\n        requests.append(dist.isend(send, dst, group=group))\n"
+        "        _count(send)\n    for request in requests:\n        request.wait()\n",
+        ["tests/test_strict_p2p.py::test_collectives_and_ddp_equal_torch_under_the_canary[2]"],
+    ),
+    Mutation(
+        "issue 41: the pipelined ring issues a step's receive and send as two groups",
+        "minitrain/collectives/pipelined.py",
+        "        works = dist.batch_isend_irecv(ops) if ops else []\n",
+        "        works = [w for op in ops for w in dist.batch_isend_irecv([op])]\n",
+        ["tests/test_strict_p2p.py::test_collectives_and_ddp_equal_torch_under_the_canary[2]"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

@@ -8,8 +8,10 @@ notebooks/04_collectives_and_data_parallel.ipynb (it prints ``exchange``). Here:
 * the bytes sent (``bytes_sent`` / ``reset_bytes_sent``): every send below is recorded in the
   runtime's one communication log (source "collectives"), so the notebook can compare what a
   rank sent with the formulas of ``minitrain.collectives``;
-* ``exchange``, the simultaneous send + receive a ring step is made of, and the blocking
-  ``send_counted`` / ``recv_nonempty`` the naive and recursive-doubling algorithms use;
+* ``exchange``, the simultaneous send + receive a ring step is made of (one NCCL-style group:
+  ``batch_isend_irecv``), and the blocking ``send_counted`` / ``recv_nonempty`` the naive and
+  recursive-doubling algorithms use, in an order every back-end accepts (no send waits for
+  a receive that itself waits for that send);
 * the chunk layout (``chunk_sizes``: ``tensor_split``'s) and the scratch buffers the ring
   reuses from call to call;
 * ``flat_view`` / ``global_rank``: checking a tensor argument, naming a group's rank globally.
@@ -49,18 +51,21 @@ def exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int,
              group: ProcessGroup | None = None) -> None:
     """Send ``send`` to global rank ``dst`` while receiving ``recv`` from ``src``; wait for both.
 
-    Posting the receive and the send together is what keeps a ring from deadlocking (if
-    every rank first did a blocking send, all would wait for a receiver) and lets the
-    two directions of a link work at the same time. Empty tensors are not sent at all:
-    both ends know the chunk sizes, so they skip the same messages.
+    The send and the receive go out together, as one group (``batch_isend_irecv``): a ring
+    of blocking sends would deadlock (every rank waiting for a receiver), and on NCCL even a
+    receive posted just *before* its send blocks that send — NCCL runs a rank's operations
+    in order, except those of one group (NCCL's "Group calls"; Megatron-LM pairs its
+    pipeline messages the same way, ``p2p_communication.py``). Both directions of a link
+    then work at once. Empty tensors are not sent at all: both ends know the chunk sizes,
+    so they skip the same messages.
     """
-    requests = []
+    ops = []
     if recv.numel():
-        requests.append(dist.irecv(recv, src, group=group))
+        ops.append(dist.P2POp(dist.irecv, recv, src, group))
     if send.numel():
-        requests.append(dist.isend(send, dst, group=group))
+        ops.append(dist.P2POp(dist.isend, send, dst, group))
         _count(send)
-    for request in requests:
+    for request in dist.batch_isend_irecv(ops) if ops else ():
         request.wait()
 
 

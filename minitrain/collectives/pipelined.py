@@ -10,19 +10,29 @@ memory, 13 % of the time), *then* sends it on — the link idles while the core 
 core idles while the link carries. Here every chunk is cut into segments and each segment
 moves on as soon as it is ready:
 
-* all the receives of a step are posted at once (into one of two alternating scratch
-  buffers, so the next step's receives are already posted while this step is being added);
-* a segment is added *in place* into the tensor (``flat[c] += received``: the tensor itself
-  is the accumulator, no extra copy) and sent on at once — its send overlaps the add of the
-  next segment and the arrival of the ones after it;
-* the chunk completed last is sent on segment by segment, and the all-gather receives
-  straight into the tensor and forwards each segment the moment it lands.
+* the 2(N-1) steps are one sequence t = 0 … 2N-3: at step t a rank sends segment j of one
+  chunk to its successor and receives segment j of another from its predecessor, *as one
+  group* (``batch_isend_irecv``: NCCL's "Group calls", Megatron-LM's paired
+  ``send_forward_recv_backward``), so no receive ever blocks the send its peer waits for;
+* what a step sends is what the step before received: a received segment is added *in
+  place* into the tensor (``flat[c] += received``: the tensor itself is the accumulator, no
+  extra copy) during the reduce-scatter, or lands straight in the tensor during the
+  all-gather, and goes out at once in the next step's group — while the segments behind it
+  are still travelling, so adding, sending and receiving overlap;
+* receives alternate between two scratch buffers, so a segment arriving for step t never
+  overwrites one of step t-1 not yet added.
+
+The price of pairing (issue 41): a receive can no longer be posted a step ahead, as the
+version before did — on NCCL that receive would block the rank's stream ahead of the send its
+peer waits for. gloo moves a message only once its receive is posted, so neighbours now move
+more in step: ~5-8 % slower at 64 MiB on 2 loaded cores than the pre-posted version (median of
+interleaved repetitions), still within 1.15× gloo's own all-reduce.
 
 Same algorithm, same bytes (2(N-1)/N·n per rank), same chunk layout and the same bits as
 ``ring_all_reduce`` (the reduce-scatter adds in the same order, (received) + own, and the
-all-gather copies one owner's sum), so the tests compare the two exactly. Each message
-carries its own tag (step and segment), so several receives from the same neighbour can be
-posted at once without depending on the order a back-end matches them in.
+all-gather copies one owner's sum), so the tests compare the two exactly. No tags: every rank
+issues the same sequence of groups, so a pair's messages match in issue order, the only
+matching NCCL knows (it ignores tags).
 """
 
 from __future__ import annotations
@@ -38,11 +48,10 @@ from minitrain.runtime.point_to_point import ring_neighbours
 # costs more than the overlap saves; 4 MiB ~ 1-2 ms of adding, enough to hide a send behind.
 SEGMENT_BYTES = 4 * 1024 * 1024
 MAX_SEGMENTS = 8  # per chunk: more in-flight messages bring nothing measurable here
-TAG_BASE = 1 << 20  # away from tag 0, which minitrain's other point-to-point code uses
 
 
 def _segments(chunk: torch.Tensor, count: int) -> tuple[torch.Tensor, ...]:
-    return chunk.tensor_split(count) if chunk.numel() else ()
+    return chunk.tensor_split(count)  # empty segments too: both ends skip the same messages
 
 
 def segment_count(chunk_numel: int, element_size: int,
@@ -69,62 +78,49 @@ def ring_all_reduce_pipelined(tensor: torch.Tensor, group: ProcessGroup | None =
     count = segment_count(sizes[0], flat.element_size(), segment_bytes)
     chunks = flat.tensor_split(world)
     scratch = scratch_buffers(sizes[0], flat)
-    sends: dict[int, list] = {}  # chunk → its sends still in flight (wait before overwriting)
+    steps = 2 * (world - 1)
+    # step t sends chunk (r-t-1) mod N, receives chunk (r-t-2) mod N: the reduce-scatter's
+    # steps (t < N-1) into a scratch buffer, the all-gather's straight into the tensor
+    sent = lambda t: (rank - t - 1) % world  # noqa: E731
+    received = lambda t: (rank - t - 2) % world  # noqa: E731
 
-    def send(chunk: int, seg: torch.Tensor, tag: int) -> None:
-        if seg.numel():
-            sends.setdefault(chunk, []).append(dist.isend(seg, next_rank, group=group, tag=tag))
-            record_send(seg)
+    def into(t: int) -> torch.Tensor:
+        c = received(t)
+        return scratch[t % 2][: sizes[c]] if t < world - 1 else chunks[c]
 
-    def post_receives(step: int, into: torch.Tensor, chunk: int) -> list:
-        for work in sends.pop(chunk, []):  # the all-gather receives over what we sent before
-            work.wait()
-        return [
-            dist.irecv(seg, prev_rank, group=group, tag=TAG_BASE + step * MAX_SEGMENTS + j)
-            if seg.numel() else None
-            for j, seg in enumerate(_segments(into, count))
-        ]
+    sends: dict = {}  # (chunk, segment) → its send in flight (wait before receiving over it)
+    receives: list = [None] * count  # segment j → the receive of the step being worked on
 
-    # reduce-scatter: step s receives chunk (r-s-2) mod N, adds it in place and sends it on
-    first = (rank - 1) % world
-    for j, seg in enumerate(_segments(chunks[first], count)):
-        send(first, seg, TAG_BASE + j)
-    c = (rank - 2) % world
-    pending = post_receives(0, scratch[0][: sizes[c]], -1)
-    for step in range(world - 1):
-        c = (rank - step - 2) % world
-        received = _segments(scratch[step % 2][: sizes[c]], count)
-        if step + 1 < world - 1:  # post the next step's receives before adding this one
-            nxt = (rank - step - 3) % world
-            following = post_receives(step + 1, scratch[(step + 1) % 2][: sizes[nxt]], -1)
-        else:  # the all-gather's first receives, straight into the tensor
-            nxt = (rank - 1) % world
-            following = post_receives(world - 1, chunks[nxt], nxt)
-        for j, (work, own, got) in enumerate(zip(pending, _segments(chunks[c], count), received)):
-            if work is None:
-                continue
-            work.wait()
-            # own + received in place: what ring_reduce_scatter computes (IEEE addition is
-            # commutative, so the same bits), with no scratch accumulator to copy from
-            torch.add(own, got, out=own)
-            send(c, own, TAG_BASE + (step + 1) * MAX_SEGMENTS + j)
-        pending = following
-    # all-gather: step s receives chunk (r-s-1) mod N into the tensor and forwards it
-    for step in range(world - 1):
-        c = (rank - step - 1) % world
-        last = step == world - 2
-        if not last:
-            nxt = (rank - step - 2) % world
-            following = post_receives(world + step, chunks[nxt], nxt)
-        for j, (work, seg) in enumerate(zip(pending, _segments(chunks[c], count))):
-            if work is None:
-                continue
-            work.wait()
-            if not last:
-                send(c, seg, TAG_BASE + (world + step) * MAX_SEGMENTS + j)
-        if not last:
-            pending = following
-    for works in sends.values():
-        for work in works:
-            work.wait()
+    def step(t: int, j: int, out: torch.Tensor) -> None:
+        """Step t's group for segment j: send ``out`` on, receive segment j of step t."""
+        if t >= world - 1:  # the all-gather receives over a segment sent N-1 steps ago
+            earlier = sends.pop((received(t), j), None)
+            if earlier is not None:
+                earlier.wait()
+        recv = _segments(into(t), count)[j]
+        ops = [dist.P2POp(dist.irecv, recv, prev_rank, group)] if recv.numel() else []
+        if out.numel():
+            ops.append(dist.P2POp(dist.isend, out, next_rank, group))
+            record_send(out)
+        works = dist.batch_isend_irecv(ops) if ops else []
+        receives[j] = works[0] if recv.numel() else None
+        if out.numel():
+            sends[sent(t), j] = works[-1]
+
+    for j, seg in enumerate(_segments(chunks[sent(0)], count)):
+        step(0, j, seg)
+    for t in range(1, steps + 1):  # wait for step t-1's segments; pass each on in step t
+        pairs = zip(_segments(chunks[received(t - 1)], count), _segments(into(t - 1), count))
+        for j, (own, got) in enumerate(pairs):
+            if receives[j] is not None:
+                receives[j].wait()
+            if t - 1 < world - 1:
+                # reduce-scatter: own + received in place, what ring_reduce_scatter computes
+                # (IEEE addition is commutative, so the same bits), no accumulator to copy from;
+                # the all-gather received straight into the tensor: forwarded as it is
+                torch.add(own, got, out=own)
+            if t < steps:
+                step(t, j, own)
+    for work in sends.values():
+        work.wait()
     return tensor

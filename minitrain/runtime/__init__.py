@@ -8,6 +8,8 @@ Notebook 00 teaches it; every multi-process chapter uses it.
 - ``launch_errors.py``: waiting for ranks and naming the one that failed (``LaunchError``);
 - ``stopping.py``: stop signals end every rank (``Interrupted``), the forkserver's start and stop;
 - ``point_to_point.py``: send/recv helpers (chapter 0's exercises);
+- ``strict_p2p.py`` / ``strict_stream.py``: the NCCL-semantics canary (``MINITRAIN_P2P=strict``:
+  one in-order stream per rank, unbuffered sends, tags ignored, ``batch_isend_irecv`` a group);
 - ``trace.py``: per-rank timelines of compute and communication;
 - ``communication_log.py``: the one log of what every technique sent (``COMMUNICATION_LOG``);
 - ``timing.py``: step times of several ranks summarised (the slowest rank's, median, quartiles),

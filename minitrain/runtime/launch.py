@@ -65,6 +65,7 @@ from minitrain.runtime.stopping import (  # noqa: F401 — Interrupted is part o
     start_helpers,
     stop_forkserver,
 )
+from minitrain.runtime.strict_p2p import rank_initializers as strict_p2p_initializers
 
 # Imported once by the forkserver, so a rank (a fork of it) starts with them loaded. Only
 # modules no learner edits: a rank imports minitrain's techniques afresh, so a changed
@@ -163,7 +164,8 @@ def launch(
             f"worker processes ({type(exc).__name__}: {exc})"
         ) from exc
 
-    initializers = cloudpickle.dumps(list(_rank_initializers))
+    # MINITRAIN_P2P=strict, read now: ranks come from a forkserver started before (strict_p2p.py)
+    initializers = cloudpickle.dumps(list(_rank_initializers) + strict_p2p_initializers(timeout))
     threads = max(1, (os.cpu_count() or 1) // world_size)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: no DNS, no real NIC
     ctx = _forkserver()

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from minitrain.runtime import trace
+from minitrain.runtime.strict_p2p import install_from_environment
 
 HOST = "127.0.0.1"
 
@@ -68,6 +69,7 @@ def init_from_env(backend: str | None = None) -> tuple[int, int]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not dist.is_initialized():
         dist.init_process_group(backend)
+    install_from_environment()  # MINITRAIN_P2P=strict: NCCL's point-to-point semantics
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -1,0 +1,209 @@
+"""The strict point-to-point canary (``MINITRAIN_P2P=strict``, minitrain/runtime/strict_p2p.py):
+NCCL's semantics on the CPU, and the collectives that must pass under it (issue 41).
+
+Under the canary a rank's point-to-point operations run one at a time in issue order, a send
+completes only once the peer's stream has *reached* the matching receive, tags are ignored
+and one ``batch_isend_irecv`` is one group. So the pattern gloo forgives — ``irecv`` then
+``isend`` to the same peer — fails (bounded, named) instead of passing, and everything the
+course builds on send/recv must still equal torch's collectives. Few launches: each does a lot.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from minitrain.runtime import LaunchError, get_device, launch, strict_p2p
+
+
+@pytest.fixture
+def strict(monkeypatch):
+    """MINITRAIN_P2P=strict for the launches of this test (read at each launch)."""
+    monkeypatch.setenv("MINITRAIN_P2P", "strict")
+    monkeypatch.setenv("MINITRAIN_P2P_TIMEOUT", "20")
+    return monkeypatch
+
+
+def test_the_switch_is_read_from_the_environment(monkeypatch):
+    assert strict_p2p.enabled_by_environment({"MINITRAIN_P2P": "strict"})
+    assert not strict_p2p.enabled_by_environment({})
+    assert not strict_p2p.enabled_by_environment({"MINITRAIN_P2P": "off"})
+    with pytest.raises(ValueError, match="MINITRAIN_P2P"):  # a typo must not run unguarded
+        strict_p2p.enabled_by_environment({"MINITRAIN_P2P": "stric"})
+    monkeypatch.delenv("MINITRAIN_P2P", raising=False)
+    monkeypatch.delenv("MINITRAIN_P2P_TIMEOUT", raising=False)
+    assert strict_p2p.rank_initializers(60.0) == []  # off: nothing installed, zero cost
+    monkeypatch.setenv("MINITRAIN_P2P", "strict")
+    (install,) = strict_p2p.rank_initializers(60.0)
+    assert install.args == (30.0,)  # half the launch's timeout: the named error comes first
+    monkeypatch.setenv("MINITRAIN_P2P_TIMEOUT", "7")
+    assert strict_p2p.rank_initializers(60.0)[0].args == (7.0,)
+
+
+def _irecv_then_isend():
+    """What ``collectives.exchange`` did before issue 41: post the receive, then the send."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    prev_rank, next_rank = (rank - 1) % world, (rank + 1) % world
+    got = torch.empty(3, device=get_device())
+    recv = dist.irecv(got, prev_rank)
+    send = dist.isend(torch.full((3,), float(rank), device=get_device()), next_rank)
+    recv.wait()
+    send.wait()
+    return got.tolist()
+
+
+def _semantics():
+    """Run on 3 ranks: what NCCL's semantics mean, measured; returns rank-specific facts."""
+    rank, dev = dist.get_rank(), get_device()
+    out = {"installed": strict_p2p.installed()}
+    # a send completes when the receiver's *stream reaches* its receive: rank 2 receives from
+    # rank 0 (which sends late) before it receives from rank 1, so rank 1's send waits
+    if rank == 0:
+        time.sleep(0.5)
+        dist.send(torch.zeros(1, device=dev), 2)
+    elif rank == 1:
+        start = time.perf_counter()
+        dist.isend(torch.ones(1, device=dev), 2).wait()
+        out["send_waited"] = time.perf_counter() - start
+    else:
+        late, early = torch.empty(1, device=dev), torch.empty(1, device=dev)
+        works = [dist.irecv(late, 0), dist.irecv(early, 1)]
+        for work in works:
+            work.wait()
+    # tags: rank 0 sends a (tag 1) then b (tag 2); rank 1 receives with the tags swapped
+    if rank == 0:
+        for value, tag in ((10.0, 1), (20.0, 2)):
+            dist.isend(torch.full((2,), value, device=dev), 1, tag=tag).wait()
+    elif rank == 1:
+        first, second = torch.empty(2, device=dev), torch.empty(2, device=dev)
+        works = [dist.irecv(first, 0, tag=2), dist.irecv(second, 0, tag=1)]
+        for work in works:
+            work.wait()
+        out["swapped_tags"] = (first[0].item(), second[0].item())
+    # a paired exchange through one group, around the ring (group ranks, a P2POp's group)
+    world = dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    mine, theirs = torch.full((4,), float(rank), device=dev), torch.empty(4, device=dev)
+    works = dist.batch_isend_irecv([
+        dist.P2POp(dist.irecv, theirs, group=group, group_peer=(rank - 1) % world),
+        dist.P2POp(dist.isend, mine, (rank + 1) % world, group),
+    ])
+    for work in works:
+        work.wait()
+    if strict_p2p.installed():  # the canary's Work: torch's methods
+        out["futures"] = [w.get_future().wait()[0].shape == (4,) for w in works]
+        out["completed"] = all(w.is_completed() for w in works)
+    out["paired"] = theirs[0].item()
+    return out
+
+
+def test_nccl_semantics_under_the_canary_and_gloo_without(strict):
+    on = launch(_semantics, 3, timeout=120)
+    assert all(r["installed"] for r in on)
+    assert on[1]["send_waited"] > 0.4, "a send completed before its receiver's stream reached it"
+    assert on[1]["swapped_tags"] == (10.0, 20.0), "tags must be ignored: issue order matches"
+    assert [r["paired"] for r in on] == [2.0, 0.0, 1.0]
+    assert all(r["completed"] and all(r["futures"]) for r in on)
+    strict.delenv("MINITRAIN_P2P")
+    off = launch(_semantics, 3, timeout=120)
+    assert not any(r["installed"] for r in off)
+    assert off[1]["send_waited"] < 0.4  # gloo: a *posted* receive is enough
+    assert off[1]["swapped_tags"] == (20.0, 10.0)  # gloo matches by tag
+    assert [r["paired"] for r in off] == [2.0, 0.0, 1.0]
+    assert list(launch(_irecv_then_isend, 2, timeout=60)) == [[1.0] * 3, [0.0] * 3]
+
+
+def test_irecv_then_isend_fails_bounded_and_named_under_the_canary(strict):
+    strict.setenv("MINITRAIN_P2P_TIMEOUT", "3")
+    start = time.monotonic()
+    with pytest.raises(LaunchError) as caught:
+        launch(_irecv_then_isend, 2, timeout=60)
+    assert time.monotonic() - start < 30
+    message = str(caught.value)
+    assert "StrictP2PTimeout" in message and "MINITRAIN_P2P=strict" in message
+    assert "irecv from rank 1" in message and "_irecv_then_isend" in message  # op, peer, site
+    assert "batch_isend_irecv" in message  # and how to fix it
+
+
+def _init_from_env_installs():
+    import os
+
+    from minitrain.runtime import init_from_env
+
+    before = strict_p2p.installed()
+    os.environ.update(MINITRAIN_P2P="strict", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    init_from_env()  # torchrun's way in: the process group exists already, the canary not yet
+    return before, strict_p2p.installed()
+
+
+def test_torchrun_path_installs_from_its_own_environment(monkeypatch):
+    monkeypatch.delenv("MINITRAIN_P2P", raising=False)
+    assert list(launch(_init_from_env_installs, 1, timeout=60)) == [(False, True)]
+
+
+# ------------------------------------------------------------------ the course under the canary
+def _integers(rank: int, n: int) -> torch.Tensor:
+    g = torch.Generator(device="cpu").manual_seed(1000 * rank + n)
+    return torch.randint(-8, 9, (n,), generator=g, device="cpu").float().to(get_device())
+
+
+def _collectives_under_the_canary(with_ddp: bool) -> list[str]:
+    """Every send/recv-built collective of chapters 0 and 4 against torch's (small integers:
+    exact in any order, so equality is the test); DataParallel's ring and auto too."""
+    from minitrain import collectives as C
+    from minitrain.runtime.point_to_point import broadcast, pass_the_token
+
+    assert strict_p2p.installed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    fails = []
+    for n in (0, 1, 5, 1001):
+        x = _integers(rank, n)
+        oracle = x.clone()
+        dist.all_reduce(oracle)
+        runs = {algo: lambda t, a=algo: C.all_reduce(t, a) for algo in (*C.ALGORITHMS, "auto")}
+        for seg in (4, 64):  # several segments per chunk, some of them empty
+            runs[f"pipelined/{seg}"] = lambda t, s=seg: C.ring_all_reduce_pipelined(t, None, s)
+        for name, run in runs.items():
+            got = x.clone()
+            run(got)
+            if not torch.equal(got, oracle):
+                fails.append(f"{name} n={n} rank {rank}: differs from torch's all_reduce")
+    token = pass_the_token(torch.zeros(1, device=get_device()))
+    if rank == 0 and token.item() != world * (world + 1) / 2:
+        fails.append(f"pass_the_token: {token.item()}")
+    sent = broadcast(_integers(rank, 7), src=world - 1)
+    if not torch.equal(sent, _integers(world - 1, 7)):
+        fails.append(f"broadcast rank {rank}: not rank {world - 1}'s tensor")
+    if with_ddp:
+        fails += _ddp_under_the_canary()
+    return fails
+
+
+def _ddp_under_the_canary() -> list[str]:
+    from minitrain.ddp import DataParallel
+
+    rank, world, fails = dist.get_rank(), dist.get_world_size(), []
+    x = _integers(rank, 24).view(3, 8)
+    for communication in ("ring", "auto"):
+        torch.manual_seed(0)
+        with torch.device(get_device()):
+            local, replica = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+        replica.load_state_dict(local.state_dict())
+        model = DataParallel(replica, bucket_cap_mb=0.0001, communication=communication)
+        model(x).square().sum().backward()
+        local(x).square().sum().backward()
+        for mine, theirs in zip(local.parameters(), replica.parameters()):
+            average = mine.grad.clone()
+            dist.all_reduce(average)
+            if not torch.allclose(theirs.grad, average / world, rtol=1e-6, atol=1e-5):
+                fails.append(f"DataParallel({communication!r}) rank {rank}: not the average")
+    return fails
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_collectives_and_ddp_equal_torch_under_the_canary(strict, world):
+    failures = launch(_collectives_under_the_canary, world, world == 2, timeout=180)
+    assert not [f for per_rank in failures for f in per_rank], failures
