@@ -15,6 +15,7 @@ import tempfile
 
 import pytest
 import torch.distributed as dist
+from command_output import one_line, refused
 
 from minitrain.model import GPTConfig
 from minitrain.parallel import single_process_losses
@@ -31,17 +32,8 @@ def _log(path):
         return [json.loads(line) for line in fh]
 
 
-def _one_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
-
-
 def _refused(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exc:
-        main([*TINY, *argv])
-    assert exc.value.code == 2
-    return _one_line(capsys.readouterr().err)
+    return refused(main, [*TINY, *argv], capsys)
 
 
 # --------------------------------------------------------------------------- refused values
@@ -101,7 +93,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_partial_directory(capsys):
         assert main([*TINY, "--steps", "2", "--checkpoint-every", "1",
                      "--checkpoint-dir", small]) == 1
         left = os.listdir(small)
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert "No space left" in line, line
     assert left == [], left  # the .partial directory (and its .tmp) removed
 
@@ -123,7 +115,7 @@ def test_a_flipped_byte_in_a_rank_file_stops_resume_naming_the_file(tmp_path, ca
     name = f"rank_{rank:05d}.pt"
     _flip(ck / "step_00000002" / name)  # the middle of the file: inside a tensor's data
     assert main([*common, "--steps", "4", "--resume", "--log-file", str(log)]) == 1
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert name in line and "corrupt" in line, line
     assert not log.exists() or _log(log) == []  # nothing trained
 
@@ -133,7 +125,7 @@ def test_a_flipped_byte_stops_resume_in_one_process_too(tmp_path, capsys):
     assert main([*TINY, "--steps", "1", "--checkpoint-dir", str(ck)]) == 0
     _flip(ck / "step_00000001" / "rank_00000.pt")
     assert main([*TINY, "--steps", "2", "--checkpoint-dir", str(ck), "--resume"]) == 1
-    line = _one_line(capsys.readouterr().err)
+    line = one_line(capsys.readouterr().err)
     assert "rank_00000.pt is corrupt" in line, line
 
 

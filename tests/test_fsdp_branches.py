@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from toy_models import PerRankBranches, mse, toy_batch
+from toy_models import PerRankBranches, branch_of, branches_reference, mse, toy_batch
 
 from minitrain.runtime import launch
 
@@ -55,29 +55,6 @@ def _model(kind, trunk_first, scaled, world):
     return (ScaledBranches if scaled else PerRankBranches)(world + 1, kind, trunk_first)
 
 
-def _branch(rank, trunk_first):
-    """Rank r's branch; the spare one (no rank runs it) the farthest from the trunk."""
-    return rank if trunk_first else rank + 1
-
-
-def _reference(case, world):
-    """One process, plain torch: the parameters after each SGD step on the mean loss."""
-    kind, trunk_first, scaled = case
-    model = _model(kind, trunk_first, scaled, world)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    states = []
-    for s in range(STEPS):
-        opt.zero_grad()
-        loss = 0.0
-        for r in range(world):
-            x, y = toy_batch(s, r, world)
-            loss = loss + mse(model(x, _branch(r, trunk_first)), y)
-        (loss / world).backward()
-        opt.step()
-        states.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return states
-
-
 def _train(cases):
     from minitrain.fsdp import FullyShardedDataParallel
 
@@ -91,7 +68,7 @@ def _train(cases):
         for s in range(STEPS):
             x, y = toy_batch(s, rank, world)
             opt.zero_grad()
-            mse(fsdp(x, _branch(rank, trunk_first)), y).backward()
+            mse(fsdp(x, branch_of(rank, trunk_first)), y).backward()
             fsdp.finish_gradient_synchronization()
             # a unit kept for a later turn in forward must be given back by the end of the step
             held += [u.name for u in fsdp.live_units() if u.full.untyped_storage().nbytes()]
@@ -104,7 +81,8 @@ def _train(cases):
 @pytest.mark.parametrize("world", [2, 3])
 def test_per_rank_branches_match_one_process(world):
     cases = list(itertools.product(KINDS, TRUNK_FIRST, SCALED))
-    refs = {case: _reference(case, world) for case in cases}
+    refs = {case: branches_reference(_model(*case, world), case[1], world, STEPS, LR)
+            for case in cases}
     for (kind, trunk_first, _), states in refs.items():  # the reference is not vacuous
         start = dict(_model(kind, trunk_first, False, world).named_parameters())
         spare = world if trunk_first else 0

@@ -21,6 +21,7 @@ import subprocess
 import sys
 
 import pytest
+from command_output import one_line, refused
 
 from minitrain.parallel import command
 from minitrain.parallel.command_errors import MIN_LOSS_SCALE, divergence, json_line
@@ -31,17 +32,8 @@ TINY = ["--steps", "2", "--n-layer", "1", "--d-model", "16", "--seq-len", "8",
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _one_line(err: str) -> str:
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    return lines[0]
-
-
 def _refused(argv, capsys) -> str:
-    with pytest.raises(SystemExit) as exc:
-        command.main([*TINY, *argv])
-    assert exc.value.code == 2
-    line = _one_line(capsys.readouterr().err)
+    line = refused(command.main, [*TINY, *argv], capsys)
     assert line.startswith("minitrain.train: error: "), line
     return line
 
@@ -49,7 +41,7 @@ def _refused(argv, capsys) -> str:
 def _failed(argv, capsys) -> str:
     """A run that starts and stops with exit 1 and one line (a resume refused, a NaN)."""
     assert command.main([*TINY, *argv]) == 1
-    return _one_line(capsys.readouterr().err)
+    return one_line(capsys.readouterr().err)
 
 
 # ------------------------------------------------------------ refused before any rank starts
@@ -143,7 +135,7 @@ def _strict(line: str) -> dict:
     return json.loads(line, parse_constant=no_constant)
 
 
-def test_a_non_finite_loss_stops_every_rank_at_its_step_in_one_line(tmp_path):
+def test_a_non_finite_loss_stops_every_rank_at_its_step_inone_line(tmp_path):
     """--lr 1e9: step 0 is finite, its update sends the loss of step 1 to NaN. Two ranks
     (the launcher's LaunchError path), as an operator runs it: exit 1, one line."""
     ck, log = tmp_path / "ck", tmp_path / "log.jsonl"
@@ -154,7 +146,7 @@ def test_a_non_finite_loss_stops_every_rank_at_its_step_in_one_line(tmp_path):
         capture_output=True, text=True, cwd=ROOT, timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 1, proc.stderr
-    line = _one_line(proc.stderr)
+    line = one_line(proc.stderr)
     assert "the loss is not finite at step 1 (nan): stopped" in line, line
     assert line.endswith(os.path.join(str(ck), "step_00000001")), line
     records = [_strict(x) for x in log.read_text().splitlines()]
@@ -163,7 +155,7 @@ def test_a_non_finite_loss_stops_every_rank_at_its_step_in_one_line(tmp_path):
     assert sorted(os.listdir(ck)) == ["step_00000001"]  # none for the NaN step
 
 
-def test_a_non_finite_loss_stops_one_process_in_one_line(tmp_path, capsys):
+def test_a_non_finite_loss_stops_one_process_inone_line(tmp_path, capsys):
     log = tmp_path / "log.jsonl"
     line = _failed(["--steps", "4", "--lr", "1e9", "--log-file", str(log)], capsys)
     assert "the loss is not finite at step 1 (nan)" in line and "no --checkpoint-dir" in line

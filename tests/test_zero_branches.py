@@ -18,7 +18,7 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from toy_models import PerRankBranches, mse, toy_batch
+from toy_models import PerRankBranches, branch_of, branches_reference, mse, toy_batch
 
 from minitrain.runtime import launch
 
@@ -34,30 +34,6 @@ def _model(kind, trunk_first, world):
     return PerRankBranches(world + 1, kind, trunk_first)
 
 
-def _branch(rank, trunk_first):
-    """Rank r's branch. The spare one (no rank runs it) is the farthest from the trunk: with
-    the trunk last, rank N-1's branch is the unit just before it, and its prefetch of the
-    trunk (already run and freed) is one a rank alone would issue."""
-    return rank if trunk_first else rank + 1
-
-
-def _reference(kind, trunk_first, world):
-    """One process, plain torch: the parameters after each SGD step on the mean loss."""
-    model = _model(kind, trunk_first, world)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    states = []
-    for s in range(STEPS):
-        opt.zero_grad()
-        loss = 0.0
-        for r in range(world):
-            x, y = toy_batch(s, r, world)
-            loss = loss + mse(model(x, _branch(r, trunk_first)), y)
-        (loss / world).backward()
-        opt.step()
-        states.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return states
-
-
 def _train(cases):
     from minitrain.zero import ZeroDataParallel
 
@@ -69,7 +45,7 @@ def _train(cases):
         for s in range(STEPS):
             x, y = toy_batch(s, rank, world)
             zdp.zero_grad()
-            mse(zdp(x, _branch(rank, trunk_first)), y).backward()
+            mse(zdp(x, branch_of(rank, trunk_first)), y).backward()
             zdp.step()
             states.append(zdp.full_state_dict())  # (its gathers sit between two passes)
         out[(stage, kind, trunk_first)] = states
@@ -78,7 +54,8 @@ def _train(cases):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_per_rank_branches_match_one_process(world):
-    refs = {(k, t): _reference(k, t, world) for k in KINDS for t in TRUNK_FIRST}
+    refs = {(k, t): branches_reference(_model(k, t, world), t, world, STEPS, LR)
+            for k in KINDS for t in TRUNK_FIRST}
     for (kind, trunk_first), states in refs.items():  # the reference is not vacuous
         start = dict(_model(kind, trunk_first, world).named_parameters())
         spare = world if trunk_first else 0

@@ -131,3 +131,28 @@ class PerRankBranches(nn.Module):
     def forward(self, x, branch):
         b = self.branches[branch] if self.kind == "list" else self.branches[f"b{branch}"]
         return b(torch.tanh(self.trunk(x)))
+
+
+def branch_of(rank, trunk_first):
+    """Rank r's branch of ``PerRankBranches(world + 1, ...)``. The spare one (no rank runs it)
+    is the farthest from the trunk: with the trunk last, rank N-1's branch is the unit just
+    before it, and its prefetch of the trunk (already run and freed) is one a rank alone would
+    issue."""
+    return rank if trunk_first else rank + 1
+
+
+def branches_reference(model, trunk_first, world, steps, lr):
+    """One process, plain torch: ``model``'s parameters after each SGD step on the mean of the
+    ranks' losses, rank r running its branch (``branch_of``) on its rows (``toy_batch``)."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    states = []
+    for s in range(steps):
+        opt.zero_grad()
+        loss = 0.0
+        for r in range(world):
+            x, y = toy_batch(s, r, world)
+            loss = loss + mse(model(x, branch_of(r, trunk_first)), y)
+        (loss / world).backward()
+        opt.step()
+        states.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return states
