@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from minitrain.runtime import strict_p2p
+
 LOSS_TAG = 1 << 21  # the last stage's loss, sent to the others (gloo)
 
 
@@ -37,7 +39,10 @@ def post_loss_receive(stage, device) -> tuple[torch.Tensor, object]:
     else None)."""
     last = stage.num_stages - 1
     loss = torch.zeros((), dtype=torch.float64, device=device)
-    early = stage.num_stages > 1 and torch.device(device).type == "cpu"
+    # early only where a posted receive waits aside (gloo's CPU tensors): with NCCL's semantics
+    # (a GPU, or the CPU under MINITRAIN_P2P=strict) it would block every message behind it
+    early = (stage.num_stages > 1 and torch.device(device).type == "cpu"
+             and not strict_p2p.installed())
     loss_recv = (dist.irecv(loss, stage.rank_of(last), stage.group, LOSS_TAG)
                  if early and stage.stage != last else None)
     return loss, loss_recv
