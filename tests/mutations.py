@@ -1741,18 +1741,11 @@ MUTATIONS = [
         ["tests/test_strict_p2p.py::test_collectives_and_ddp_equal_torch_under_the_canary[2]"],
     ),
     Mutation(
-        "issue 41: ring attention sends and receives as two calls (a cycle on NCCL's in-order streams)",
-        "minitrain/context_parallel/ring.py",
-        "        self.requests = dist.batch_isend_irecv([\n",
-        "        self.requests = (lambda ops: [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops])([\n",
-        ["tests/test_strict_p2p.py::test_ring_attention_and_gpipe_under_the_canary[2]"],
-    ),
-    Mutation(
         "issue 41: the pipeline's loss receive posted before the step's first action under NCCL's semantics",
         "minitrain/pipeline/step_messages.py",
         "             and not strict_p2p.installed())",
         ")",
-        ["tests/test_strict_p2p.py::test_ring_attention_and_gpipe_under_the_canary[2]"],
+        ["tests/test_strict_p2p.py::test_gpipe_under_the_canary"],
     ),
 ]
 

@@ -68,12 +68,8 @@ class Exchange:
             return
         prev_rank, next_rank = ring_neighbours(group)
         self.received = torch.empty_like(self.sent)
-        # one group (NCCL's group call, Megatron's pairing): on NCCL a rank's operations run in
-        # order, so a lone send waits for its successor's receive, queued behind that rank's own
-        # send — a cycle round the ring (issue 41); together they progress at once, tag or not
-        self.requests = dist.batch_isend_irecv([
-            dist.P2POp(dist.isend, self.sent, next_rank, group=group, tag=tag),
-            dist.P2POp(dist.irecv, self.received, prev_rank, group=group, tag=tag)])
+        self.requests = [dist.isend(self.sent, next_rank, group=group, tag=tag),
+                         dist.irecv(self.received, prev_rank, group=group, tag=tag)]
         nbytes = self.sent.numel() * self.sent.element_size()
         COMMUNICATION_LOG.record(SOURCE, what, nbytes, nbytes, dist.get_world_size(group))
 
