@@ -151,17 +151,14 @@ class ExpertGradients:
     ``expert_dp`` divided by dp × cp: one flat all-reduce after backward. Data parallelism
     leaves these parameters alone (``DataParallel(ignored_params=...)``).
 
-    The sum is taken in ``promote_types(dtype, fp32)``. With fp32 masters (bf16/fp16 compute,
-    chapter 2's ``MasterWeightOptimizer``) the average goes to the masters, in fp32
-    (``deliver_to``): the masters hear of other gradients through DDP's averaged-gradient
-    hook, which these parameters never reach — without it the experts would never train."""
+    Summed in ``promote_types(dtype, fp32)``; with fp32 masters the average goes to them
+    (``deliver_to``: DDP's averaged-gradient hook never reaches these parameters)."""
 
     def __init__(self, params: list, group: ProcessGroup | None, replicas: int):
         self.params, self.group, self.replicas = params, group, replicas
         self.masters = None  # a MasterWeightOptimizer taking the averages (deliver_to)
 
-    def deliver_to(self, masters) -> None:
-        """Hand each average to ``masters.add_gradient(param, grad)`` instead of ``.grad``."""
+    def deliver_to(self, masters) -> None:  # each average to masters.add_gradient, not .grad
         self.masters = masters
 
     @torch.no_grad()
