@@ -10,7 +10,7 @@ READY  := $(VENV)/.ready
 PYTEST := $(BIN)/python -m pytest -p no:cacheprovider
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: lab test test-gpu lint unit grade-verify nbval browser lecture slides notebooks exercises mutants clean
+.PHONY: lab test test-gpu sweep lint unit grade-verify nbval browser lecture slides notebooks exercises mutants clean
 
 $(READY): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -55,6 +55,11 @@ lint: $(READY)
 
 unit: $(READY)
 	$(PYTEST) tests --ignore=tests/grading --ignore=tests/browser --ignore=tests/gpu -q -rs
+
+# every layout the planner proposes on 4 and 8 devices (make test runs a pairwise-covering
+# subset of them: tests/test_planner_layouts.py), about 10 minutes on two cores
+sweep: $(READY)
+	MINITRAIN_SWEEP=full $(PYTEST) tests/test_planner_layouts.py -q --timeout=1800
 
 grade-verify: $(READY)
 	$(BIN)/python -m minitrain.grade --verify

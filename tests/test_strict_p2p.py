@@ -209,6 +209,64 @@ def test_collectives_and_ddp_equal_torch_under_the_canary(strict, world):
     assert not [f for per_rank in failures for f in per_rank], failures
 
 
+def _gloo_style_plan(schedule, num_chunks=1):
+    """How the executor posted before issue 41: each receive alone when its action starts,
+    each send alone when its action ends (a message between a stage's own chunks: none)."""
+    from minitrain.pipeline.messages import sent_by
+
+    p, v, plan = len(schedule), num_chunks, []
+    for s, actions in enumerate(schedule):
+        items = []
+        for action in actions:
+            mb, c = action[1], (action[2] if len(action) > 2 else 0)
+            virtual = c * p + s
+            sender = virtual - 1 if action[0] == "F" else virtual + 1
+            if action[0] in "FB" and 0 <= sender < p * v and sender % p != s:
+                kind = action[0]
+                items.append(("group", [("recv", sender % p, (kind, mb, virtual))]))
+            items.append(("action", action))
+            sent = sent_by(action, s, p, v)
+            if sent is not None and sent.to_virtual % p != s:
+                items.append(("group", [("send", sent.to_virtual % p, tuple(sent))]))
+        plan.append(items)
+    return plan
+
+
+def test_the_pipeline_plan_runs_under_nccl_semantics_and_gloo_style_posting_does_not():
+    """The executor's message plan (pipeline/messages.py) never deadlocks or mismatches under
+    NCCL's rules, for every schedule up to p = 4, m = 8, v = 3; posting as gloo allows (before
+    issue 41) deadlocks 1F1B's steady state and reorders interleaved 1F1B at p = 2, m = 3."""
+    from minitrain.pipeline import ScheduleError, make_schedule
+    from minitrain.pipeline.messages import check_streams
+
+    for name in ("gpipe", "1f1b", "zero_bubble", "interleaved"):
+        for p in (1, 2, 3, 4):
+            for m in range(1, 9):
+                for v in ((1, 2, 3) if name == "interleaved" else (1,)):
+                    check_streams(make_schedule(name, p, m, v), v)
+    one_f_one_b = make_schedule("1f1b", 2, 4)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check_streams(one_f_one_b, 1, _gloo_style_plan(one_f_one_b))
+    interleaved = make_schedule("interleaved", 2, 3, 2)
+    with pytest.raises(ScheduleError, match="NCCL matches them in order"):
+        check_streams(interleaved, 2, _gloo_style_plan(interleaved, 2))
+
+
+def test_every_schedule_equals_one_process_under_the_canary(strict):
+    """GPipe, 1F1B, interleaved 1F1B (p = 2, m = 3 included: the tag-order case) and ZB-H1
+    on 2 stages, and 1F1B and interleaved on 3, with NCCL's semantics: loss and every gradient
+    equal one process's (tests/test_pipeline.py's matrix, run under the canary)."""
+    from test_pipeline import _matrix  # tests/ is on sys.path under pytest
+
+    cases = {2: [("gpipe", 2, 1, None), ("1f1b", 4, 1, None), ("interleaved", 3, 2, None),
+                 ("interleaved", 4, 2, "selective"), ("zero_bubble", 3, 1, None)],
+             3: [("1f1b", 3, 1, None), ("interleaved", 3, 2, None)]}
+    for p, runs in cases.items():
+        for rank, rows in enumerate(launch(_matrix, p, runs, 12, timeout=180)):
+            for case, dloss, dgrad in rows:
+                assert dloss < 1e-6 and dgrad < 1e-6, (p, rank, case, dloss, dgrad)
+
+
 def _gpipe_on_two_stages() -> list[str]:
     """A GPipe step of the GPT on 2 stages against one process (chapter 7 under the canary:
     issue 41)."""
@@ -228,5 +286,60 @@ def _gpipe_on_two_stages() -> list[str]:
 def test_gpipe_under_the_canary(strict):
     """The pipeline's loss receive, posted before the step's first action, sat at the head of
     every stage's stream and hung under the canary; posted late there, GPipe equals one
-    process. (1F1B's steady state and ring attention still send and receive apart: not yet.)"""
+    process. (1F1B's steady state still sends and receives apart: not yet.)"""
     assert launch(_gpipe_on_two_stages, 2, timeout=120) == [[], []]
+
+
+def _layouts_on_four_ranks() -> list[str]:
+    """The capstone's layouts that send point to point, against one process (issue 41)."""
+    from minitrain.model import GPTConfig
+    from minitrain.parallel import ParallelGPT, single_process_losses
+
+    cfg = GPTConfig(vocab_size=16, seq_len=8, n_layer=2, n_head=2, d_model=16)
+    ref, fails = single_process_losses(cfg, 2, 4, 0.5, 0, optimizer="sgd"), []
+    for layout in (dict(dp=2, tp=2), dict(tp=2, pp=2, microbatches=2),
+                   dict(cp=2, pp=2, microbatches=2, schedule="gpipe")):
+        job = ParallelGPT(cfg, {**layout, "optimizer": "sgd"}, 4, 0.5, 0)
+        losses = [job.step(s) for s in range(2)]
+        if max(abs(a - b) for a, b in zip(losses, ref)) > 1e-5:
+            fails.append(f"{layout}: {losses} against one process's {ref}")
+    return fails
+
+
+def test_the_capstone_layouts_under_the_canary(strict):
+    """dp2×tp2, tp2×pp2 (1F1B) and cp2×pp2 (GPipe, ring attention inside each stage) with
+    NCCL's semantics: the losses of one process."""
+    assert launch(_layouts_on_four_ranks, 4, timeout=240) == [[]] * 4
+
+
+def _ring_attention() -> list[str]:
+    """Ring attention (contiguous and zigzag, causal), forward and backward, against one
+    rank's full attention (chapter 10 under the canary: issue 41)."""
+    from minitrain.context_parallel import gather_sequence, ring_attention, shard_sequence
+    from minitrain.model import naive_attention
+
+    bad = []
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v, do = (torch.randn(1, 2, 16, 8, generator=g).to(get_device()) for _ in range(4))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    want_out = naive_attention(*full, causal=True)
+    want_out.backward(do)
+    for layout in ("contiguous", "zigzag"):
+        mine = [shard_sequence(t, layout=layout).clone().requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*mine, causal=True, layout=layout)
+        out.backward(shard_sequence(do, layout=layout))
+        got = [gather_sequence(t, layout=layout) for t in (out.detach(), *(t.grad for t in mine))]
+        want = [want_out.detach(), *(t.grad for t in full)]
+        for name, a, b in zip(("output", "dq", "dk", "dv"), got, want):
+            if not torch.allclose(a, b, atol=1e-5):
+                bad.append(f"ring attention ({layout}): {name} differs by "
+                           f"{(a - b).abs().max().item():.3g}")
+    return bad
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_attention_under_the_canary(strict, world):
+    """Ring attention's exchange sent and received as two calls, a cycle round the ring on
+    NCCL's in-order streams, hung under the canary; paired in one group it equals one rank's
+    full attention."""
+    assert launch(_ring_attention, world, timeout=120) == [[]] * world

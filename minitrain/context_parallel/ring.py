@@ -4,8 +4,9 @@ Used by notebooks/10_context_parallel.ipynb. Liu, Zaharia & Abbeel 2023, "Ring A
 with Blockwise Transformers for Near-Infinite Context" (section 3, Algorithm 1): each of P
 ranks holds a shard of q, k, v along the sequence. In P steps every rank computes
 attention of its queries against the key/value block in hand while *sending that block on*
-to the next rank and receiving the next one from the previous (``isend``/``irecv``
-started before the compute, waited after it, so the transfer hides behind the compute).
+to the next rank and receiving the next one from the previous (the send and the receive
+paired in one ``batch_isend_irecv`` group, started before the compute, waited after it, so
+the transfer hides behind the compute).
 Partial results are merged by their logsumexp (``merge.merge_attention``).
 
 Each block is computed by chapter 9's tiled kernels (``minitrain.flash_attention``):
@@ -53,7 +54,8 @@ def reset_communication_log() -> None:
 
 
 class Exchange:
-    """Send ``tensor`` to the next rank and receive the previous rank's, started now.
+    """Send ``tensor`` to the next rank and receive the previous rank's, started now
+    (the two paired in one ``batch_isend_irecv`` group).
 
     ``wait()`` blocks until both are done and returns the received tensor; the time from
     start to wait is recorded in ``minitrain.runtime.trace`` as communication. With one rank the
@@ -68,8 +70,12 @@ class Exchange:
             return
         prev_rank, next_rank = ring_neighbours(group)
         self.received = torch.empty_like(self.sent)
-        self.requests = [dist.isend(self.sent, next_rank, group=group, tag=tag),
-                         dist.irecv(self.received, prev_rank, group=group, tag=tag)]
+        # one group (NCCL's group call; Megatron pairs so): NCCL runs a rank's operations in
+        # order, so a lone send waits for its successor's receive, queued behind that rank's own
+        # send — a cycle round the ring (issue 41); in one group they progress together
+        self.requests = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, self.sent, next_rank, group=group, tag=tag),
+            dist.P2POp(dist.irecv, self.received, prev_rank, group=group, tag=tag)])
         nbytes = self.sent.numel() * self.sent.element_size()
         COMMUNICATION_LOG.record(SOURCE, what, nbytes, nbytes, dist.get_world_size(group))
 

@@ -8,9 +8,9 @@ Evaluation is a forward without a step: the model in eval mode (no dropout, Sriv
 al. 2014 scale at test time by not dropping), under ``torch.no_grad()`` (no graph, so ZeRO-3
 frees every unit after its forward and registers no backward hook), and the random state
 saved and restored around it, so training continues bit-exactly as if no evaluation had run.
-A pipeline has no forward-only schedule of its own: ``pipeline_forward_loss`` sends each
-activation on to the next stage (chapter 7's ``PipelineStage.send``/``recv``) and the last
-stage's loss is broadcast back, as ``train_step`` does for the training loss.
+A pipeline evaluates with a forward-only schedule (one micro-batch through every virtual
+stage, chapter 7's ``PipelineStage.run``: its messages posted as training's are) and the last
+stage's loss is broadcast back.
 """
 
 from __future__ import annotations
@@ -41,19 +41,15 @@ def set_optimizer_lr(optimizer, lr: float) -> None:
 def pipeline_forward_loss(stage: PipelineStage, x: torch.Tensor, y: torch.Tensor,
                           positions=None) -> torch.Tensor:
     """The mean loss of (x, y) through every stage, forward only, as one micro-batch; a float64
-    0-dim tensor on every stage. Virtual stages in order: each rank runs its chunks when their
-    input arrives (blocking receive), sends are asynchronous — the forward half of GPipe."""
+    0-dim tensor on every stage: the forward half of GPipe, for one micro-batch."""
     state = StepState([x], [y], 1, split_backward=False, positions=positions)
     state.key = ("eval", tuple(x.shape[1:]), x.shape[0])  # its own shape headers
-    for c in range(stage.num_chunks):
-        v = stage.virtual_stage(c)
-        h = x if stage.is_first(c) else stage.recv("F", 0, v - 1, state)
-        _, out = stage.forward(c, 0, h, state)
-        if not stage.is_last(c):
-            stage.send("F", 0, out, v + 1, state)
+    ref = next(stage.parameters())
+    state.device = ref.device
+    forwards = [("F", 0, c) if stage.num_chunks > 1 else ("F", 0) for c in range(stage.num_chunks)]
+    stage.run([forwards] * stage.num_stages, state, complete=False)
     for work, _ in state.sends:
         work.wait()
-    ref = next(stage.parameters())
     loss = torch.zeros((), dtype=torch.float64, device=ref.device)
     last = stage.num_stages - 1
     if stage.stage == last:

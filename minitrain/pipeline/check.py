@@ -92,12 +92,15 @@ def dependencies(action, stage: int, p: int, v: int):
     return deps
 
 
-def simulate(schedule, costs=None, num_microbatches=None, num_chunks=None) -> Simulation:
+def simulate(schedule, costs=None, num_microbatches=None, num_chunks=None,
+             complete=True) -> Simulation:
     """Run ``schedule`` on the idealised machine; raise ScheduleError if it deadlocks.
 
     ``costs`` maps "F"/"B"/"W" to a duration (default UNIT); Fractions keep results exact.
+    ``complete=False`` skips ``validate`` (a forward-only pass, as an evaluation runs).
     """
-    validate(schedule, num_microbatches, num_chunks)
+    if complete:
+        validate(schedule, num_microbatches, num_chunks)
     costs = {k: Fraction(x) for k, x in {**UNIT, **(costs or {})}.items()}
     p = len(schedule)
     v = num_chunks if num_chunks is not None else 1 + max(_key(a)[1] for st in schedule for a in st)

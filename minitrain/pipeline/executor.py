@@ -32,10 +32,9 @@ Public API (what later chapters compose with):
   ``zero_grad`` yourself). With ``dp_group``, the gradients are averaged over it once, after
   the last micro-batch (one all-reduce of one flat buffer).
 
-Shapes are never assumed: the first activation sent over a link for a given micro-batch
-shape carries a small header (ndim, shape, dtype), so a tensor-parallel stage receiving its
-sequence shard (SP) posts the right receive. Sends are ``isend`` (waited at the end of the
-step), receives are blocking ``recv`` with a tag per (micro-batch, chunk, direction). The
+Messages (``messages.py``): every stage posts its sends and receives in groups, one per
+tick of the schedule's idealised clock, so the step runs on NCCL (no buffering, no tags) as on
+gloo; a receive is posted early and waited for when its action starts (traced as a wait). The
 loss reaches every stage point to point from the last (``step_messages.py``).
 """
 
@@ -49,6 +48,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from minitrain.checkpointing import set_checkpointing
+from minitrain.pipeline.messages import Message, message_plan, post_group
 from minitrain.pipeline.partition import StageChunk, split_blocks
 from minitrain.pipeline.schedules import resolve_schedule
 from minitrain.pipeline.step_messages import (  # noqa: F401 (LOSS_TAG: re-exported)
@@ -58,10 +58,6 @@ from minitrain.pipeline.step_messages import (  # noqa: F401 (LOSS_TAG: re-expor
     share_loss,
 )
 from minitrain.runtime import trace
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
-HEADER = 8  # ints: ndim, dtype index, up to 6 sizes
-HEADER_TAG = 1 << 20
 
 
 class StepState:
@@ -76,6 +72,8 @@ class StepState:
         self.saved = {}  # (mb, chunk) -> (input, output) kept for backward
         self.pending_w = {}  # (mb, chunk) -> output gradient, for W
         self.losses, self.sends = [], []  # the micro-batches' losses; (work, tensor): isends
+        self.outbox, self.arrivals = {}, {}  # Message -> tensor to send; -> (work, buffer)
+        self.device = None  # where received tensors go: the stage's parameters' device
 
 
 class PipelineStage(nn.Module):
@@ -114,7 +112,8 @@ class PipelineStage(nn.Module):
         if checkpointing is not None:
             for chunk in self.chunks:
                 set_checkpointing(chunk, checkpointing, checkpoint_k)
-        self._known_shapes, self._sent_shapes = {}, set()
+        # (virtual stage, batch shape) -> (shape, dtype) received; sent: (virtual, batch shape)
+        self.known_shapes, self.sent_shapes = {}, set()
 
     # ------------------------------------------------------------------ topology
     def virtual_stage(self, chunk: int) -> int:
@@ -131,48 +130,40 @@ class PipelineStage(nn.Module):
         local = virtual % self.num_stages
         return local if self.group is None else dist.get_global_rank(self.group, local)
 
-    def _tag(self, kind: str, mb: int, virtual: int) -> int:
-        # one tag per message: a receive matches its own send whatever the order
-        return (mb * self.num_stages * self.num_chunks + virtual) * 2 + (kind == "B")
-
     # ------------------------------------------------------------------ messages
     def send(self, kind: str, mb: int, tensor: torch.Tensor, to_virtual: int, state) -> None:
-        """isend ``tensor`` (an activation for kind "F", a gradient for "B") to the stage
-        holding virtual stage ``to_virtual``; the tag names the receiving virtual stage."""
-        tensor = tensor.detach().contiguous()
-        dst = self.rank_of(to_virtual)
-        if kind == "F" and (to_virtual, state.key) not in self._sent_shapes:
-            # the header travels beside the activation, on its device: under NCCL a CPU header
-            # would go to gloo, another backend, another ordering
-            header = torch.zeros(HEADER, dtype=torch.int64, device=tensor.device)
-            header[0], header[1] = tensor.dim(), DTYPES.index(tensor.dtype)
-            header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, device=tensor.device)
-            state.sends.append((dist.isend(header, dst, self.group, HEADER_TAG + to_virtual), header))
-            self._sent_shapes.add((to_virtual, state.key))
-        with trace.span(f"send {kind}{mb}", "communication"):
-            work = dist.isend(tensor, dst, self.group, self._tag(kind, mb, to_virtual))
-        state.sends.append((work, tensor))
+        """Send ``tensor`` (an activation for kind "F", a gradient for "B") to the stage
+        holding virtual stage ``to_virtual``: it leaves with the next group of the plan (or
+        stays on this rank, for another of its chunks)."""
+        message, tensor = Message(kind, mb, to_virtual), tensor.detach().contiguous()
+        if to_virtual % self.num_stages == self.stage:
+            state.arrivals[message] = (None, tensor)
+        else:
+            state.outbox[message] = tensor
 
     def recv(self, kind: str, mb: int, from_virtual: int, state, like=None) -> torch.Tensor:
-        """Receive micro-batch ``mb``'s activation ("F") or gradient ("B", shaped ``like``)
-        from the stage holding ``from_virtual``. Blocks until it arrives (traced as a wait)."""
+        """Micro-batch ``mb``'s activation ("F") or gradient ("B") from the stage holding
+        ``from_virtual``: its receive was posted with its tick's group; wait for it here
+        (traced as a wait). ``like``: unused, the plan knows each message's shape."""
         me = from_virtual + (1 if kind == "F" else -1)  # the virtual stage receiving it
-        src = self.rank_of(from_virtual)
-        device = like.device if like is not None else next(self.parameters()).device
-        with trace.span(f"recv {kind}{mb}", "communication"):
-            if kind == "F":
-                if (me, state.key) not in self._known_shapes:
-                    header = torch.zeros(HEADER, dtype=torch.int64, device=device)
-                    dist.recv(header, src, self.group, HEADER_TAG + me)
-                    ndim = int(header[0])
-                    self._known_shapes[(me, state.key)] = (
-                        tuple(int(x) for x in header[2:2 + ndim]), DTYPES[int(header[1])])
-                shape, dtype = self._known_shapes[(me, state.key)]
-            else:
-                shape, dtype = like.shape, like.dtype
-            buffer = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(buffer, src, self.group, self._tag(kind, mb, me))
+        message = Message(kind, mb, me)
+        if message not in state.arrivals:
+            raise RuntimeError(f"stage {self.stage}: {message} was never posted: run_action "
+                               "must receive what its action needs, and only that")
+        work, buffer = state.arrivals.pop(message)
+        if work is not None:
+            with trace.span(f"recv {kind}{mb}", "communication"):
+                work.wait()
         return buffer
+
+    def run(self, schedule, state, complete=True) -> None:
+        """Run this stage's actions (``run_action``) and post its message groups between them,
+        in ``messages.message_plan``'s order."""
+        for what, item in message_plan(schedule, self.num_chunks, complete)[self.stage]:
+            if what == "action":
+                run_action(self, item, state)
+            else:
+                post_group(self, item, state)
 
     # ------------------------------------------------------------------ compute
     def forward(self, chunk: int, mb: int, x: torch.Tensor, state):
@@ -226,11 +217,11 @@ class PipelineStage(nn.Module):
                           split and self.checkpointing is None, positions)
         state.key, state.dropout_keys = (tuple(inputs.shape[1:]), batch // m), dropout_keys
         ref = next(self.parameters())  # every stage holds at least one block
+        state.device = ref.device
         # the last stage sends the loss to every other one (step_messages.py: on gloo the
         # receive is posted now, so the send leaves the moment the loss exists)
         received = post_loss_receive(self, ref.device)
-        for action in schedule[self.stage]:
-            run_action(self, action, state)
+        self.run(schedule, state)
         # the step's sends waited for; the mean loss, in the model's dtype promoted with fp32
         loss = share_loss(self, state, received, torch.promote_types(ref.dtype, torch.float32))
         if dp_group is not None:
