@@ -19,6 +19,7 @@ from torch.distributed import ProcessGroup
 from minitrain.checkpointing import set_checkpointing
 from minitrain.pipeline.check import ScheduleError, dependencies, simulate
 from minitrain.pipeline.executor import PipelineStage, StepState
+from minitrain.pipeline.messages import Message, message_plan, post_group
 from minitrain.pipeline.partition import StageChunk, split_blocks
 from minitrain.pipeline.schedules import check_sizes, resolve_schedule
 from minitrain.pipeline.step_messages import LOSS_TAG, average_gradients, post_loss_receive, share_loss
@@ -92,4 +93,4 @@ def bubble_fraction(schedule, num_chunks: int = 1) -> Fraction:
     # HINT: a whole pass over the stages computes nothing
     raise NotImplementedError("exercise: write bubble_fraction (see its docstring)")
 
-# minitrain-exercises-hash: 1190153b98b52ac9
+# minitrain-exercises-hash: b79b3aed958b5b8a

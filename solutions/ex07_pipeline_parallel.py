@@ -15,6 +15,7 @@ from torch.distributed import ProcessGroup
 from minitrain.checkpointing import set_checkpointing
 from minitrain.pipeline.check import ScheduleError, dependencies, simulate
 from minitrain.pipeline.executor import PipelineStage, StepState
+from minitrain.pipeline.messages import Message, message_plan, post_group
 from minitrain.pipeline.partition import StageChunk, split_blocks
 from minitrain.pipeline.schedules import check_sizes, resolve_schedule
 from minitrain.pipeline.step_messages import LOSS_TAG, average_gradients, post_loss_receive, share_loss
@@ -147,4 +148,4 @@ def bubble_fraction(schedule, num_chunks: int = 1) -> Fraction:
     return 1 - busy / (p * max(free))
     ### END SOLUTION
 
-# minitrain-exercises-hash: 56c1447f07187e81
+# minitrain-exercises-hash: 2ebc7bed3be32281
