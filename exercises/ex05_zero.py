@@ -78,9 +78,9 @@ class ZeroDataParallel:
         May use: ``self.units[i]`` (block i's unit of sharded parameters),
         ``self._start_gather(unit)`` (launches its asynchronous all-gather; does nothing if one
         is in flight or done), ``self._wait_gather(unit)`` (starts it if needed, blocks until
-        the parameters are whole), ``self.blocks``, ``trace.now()``; set
-        ``self._block_start`` to when the block's compute starts (``_post_forward`` records
-        the span from it).
+        the parameters are whole), ``self.blocks``, ``trace.now(self.device)`` (this moment on
+        the device's clock: a GPU's event); set ``self._block_start`` to when the block's
+        compute starts (``_post_forward`` records the span from it).
 
         Requirements and why: block ``index`` cannot compute before its own parameters are
         whole; block ``index + 1``'s gather must be *in flight* — started, not waited for —
@@ -95,9 +95,9 @@ class ZeroDataParallel:
 
         ``output``: what the block returned (a tensor here). Returns nothing.
         May use: ``trace.record(name, "compute", start, end)`` (record the block's compute as
-        ``f"forward block {index}"`` from ``self._block_start`` to now), ``self._free(unit)``,
-        ``self.units[index]``, ``self._pre_backward(index)`` (gathers the unit again),
-        ``torch.is_grad_enabled()``.
+        ``f"forward block {index}"`` from ``self._block_start`` to ``trace.now(self.device)``),
+        ``self._free(unit)``, ``self.units[index]``, ``self._pre_backward(index)`` (gathers the
+        unit again), ``torch.is_grad_enabled()``.
 
         Requirements and why: free the unit at once — holding every block's full parameters
         is exactly the memory ZeRO-3 saves; backward will need them again just before the
@@ -118,7 +118,8 @@ class FullyShardedDataParallel:
         Returns nothing. May use: ``self._gather_in_order(i)`` (launches, in unit order, every
         gather not yet launched up to unit i — never out of order, so all ranks issue the same
         collectives), ``self._wait_gather(unit)``, ``self._free(unit)`` (both accept None),
-        ``self.units``, ``trace.now()``; set ``self._unit_start`` when the unit's compute starts.
+        ``self.units``, ``trace.now(self.device)`` (this moment on the device's clock: a GPU's
+        event); set ``self._unit_start`` when the unit's compute starts.
 
         Requirements and why: this unit's parameters whole before it computes; the *next*
         unit's gather launched too, so it travels while this one computes (forward
@@ -133,9 +134,10 @@ class FullyShardedDataParallel:
 
         ``output``: what the unit returned — a tensor, or a tuple/list/dict of them (a block
         may return ``(hidden, extra)``). Returns nothing. May use: ``trace.record(f"forward
-        block {index}", "compute", self._unit_start, trace.now())``, ``self._free(unit)``,
-        ``self._pre_backward(index)`` (gathers the unit again), ``tensors_requiring_grad(
-        output)`` (every tensor in it that requires grad), ``torch.is_grad_enabled()``.
+        block {index}", "compute", self._unit_start, trace.now(self.device))``,
+        ``self._free(unit)``, ``self._pre_backward(index)`` (gathers the unit again),
+        ``tensors_requiring_grad(output)`` (every tensor in it that requires grad),
+        ``torch.is_grad_enabled()``.
 
         Requirements and why: free the unit now (that is FSDP's memory saving); backward
         reaches the unit through *any* of its outputs, so each one that requires grad must
@@ -155,7 +157,7 @@ class FullyShardedDataParallel:
         (in place). May use: ``reduce_scatter_tensor(out, input, group=..., async_op=True)``,
         ``dist.all_reduce(tensor, group=..., async_op=True)`` (both return a work handle),
         ``timed(work)``, ``count_sent(kind, buffer_bytes, N)`` (kind "reduce_scatter" or
-        "all_reduce", the full buffer's bytes), ``trace.now()``, ``self.group``,
+        "all_reduce", the full buffer's bytes), ``trace.now(self.device)``, ``self.group``,
         ``self.world_size``.
 
         Requirements and why: launch asynchronously and do not wait — the reduction overlaps
@@ -166,4 +168,4 @@ class FullyShardedDataParallel:
         # HINT: dist.all_reduce(tensor, group=..., async_op=True) returns a work handle too
         raise NotImplementedError("exercise: write FullyShardedDataParallel._launch_reduce_scatter (see its docstring)")
 
-# minitrain-exercises-hash: 57a1d35457bcae18
+# minitrain-exercises-hash: 6490b31359dc4f7f

@@ -111,9 +111,9 @@ class ZeroDataParallel:
         May use: ``self.units[i]`` (block i's unit of sharded parameters),
         ``self._start_gather(unit)`` (launches its asynchronous all-gather; does nothing if one
         is in flight or done), ``self._wait_gather(unit)`` (starts it if needed, blocks until
-        the parameters are whole), ``self.blocks``, ``trace.now()``; set
-        ``self._block_start`` to when the block's compute starts (``_post_forward`` records
-        the span from it).
+        the parameters are whole), ``self.blocks``, ``trace.now(self.device)`` (this moment on
+        the device's clock: a GPU's event); set ``self._block_start`` to when the block's
+        compute starts (``_post_forward`` records the span from it).
 
         Requirements and why: block ``index`` cannot compute before its own parameters are
         whole; block ``index + 1``'s gather must be *in flight* — started, not waited for —
@@ -125,7 +125,7 @@ class ZeroDataParallel:
         self._wait_gather(self.units[index])
         if index + 1 < len(self.blocks):
             self._start_gather(self.units[index + 1])
-        self._block_start = trace.now()
+        self._block_start = trace.now(self.device)
         ### END SOLUTION
 
     def _post_forward(self, index, output):
@@ -133,9 +133,9 @@ class ZeroDataParallel:
 
         ``output``: what the block returned (a tensor here). Returns nothing.
         May use: ``trace.record(name, "compute", start, end)`` (record the block's compute as
-        ``f"forward block {index}"`` from ``self._block_start`` to now), ``self._free(unit)``,
-        ``self.units[index]``, ``self._pre_backward(index)`` (gathers the unit again),
-        ``torch.is_grad_enabled()``.
+        ``f"forward block {index}"`` from ``self._block_start`` to ``trace.now(self.device)``),
+        ``self._free(unit)``, ``self.units[index]``, ``self._pre_backward(index)`` (gathers the
+        unit again), ``torch.is_grad_enabled()``.
 
         Requirements and why: free the unit at once — holding every block's full parameters
         is exactly the memory ZeRO-3 saves; backward will need them again just before the
@@ -145,7 +145,7 @@ class ZeroDataParallel:
         """
         ### BEGIN SOLUTION
         # HINT: output.register_hook(fn) calls fn(grad) when the gradient of output is known
-        trace.record(f"forward block {index}", "compute", self._block_start, trace.now())
+        trace.record(f"forward block {index}", "compute", self._block_start, trace.now(self.device))
         self._free(self.units[index])
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(lambda grad: self._pre_backward(index))
@@ -161,7 +161,8 @@ class FullyShardedDataParallel:
         Returns nothing. May use: ``self._gather_in_order(i)`` (launches, in unit order, every
         gather not yet launched up to unit i — never out of order, so all ranks issue the same
         collectives), ``self._wait_gather(unit)``, ``self._free(unit)`` (both accept None),
-        ``self.units``, ``trace.now()``; set ``self._unit_start`` when the unit's compute starts.
+        ``self.units``, ``trace.now(self.device)`` (this moment on the device's clock: a GPU's
+        event); set ``self._unit_start`` when the unit's compute starts.
 
         Requirements and why: this unit's parameters whole before it computes; the *next*
         unit's gather launched too, so it travels while this one computes (forward
@@ -174,7 +175,7 @@ class FullyShardedDataParallel:
         for earlier in self.units[:index]:
             self._free(earlier)
         self._wait_gather(self.units[index])
-        self._unit_start = trace.now()
+        self._unit_start = trace.now(self.device)
         ### END SOLUTION
 
     def _post_forward(self, index, output):
@@ -182,9 +183,10 @@ class FullyShardedDataParallel:
 
         ``output``: what the unit returned — a tensor, or a tuple/list/dict of them (a block
         may return ``(hidden, extra)``). Returns nothing. May use: ``trace.record(f"forward
-        block {index}", "compute", self._unit_start, trace.now())``, ``self._free(unit)``,
-        ``self._pre_backward(index)`` (gathers the unit again), ``tensors_requiring_grad(
-        output)`` (every tensor in it that requires grad), ``torch.is_grad_enabled()``.
+        block {index}", "compute", self._unit_start, trace.now(self.device))``,
+        ``self._free(unit)``, ``self._pre_backward(index)`` (gathers the unit again),
+        ``tensors_requiring_grad(output)`` (every tensor in it that requires grad),
+        ``torch.is_grad_enabled()``.
 
         Requirements and why: free the unit now (that is FSDP's memory saving); backward
         reaches the unit through *any* of its outputs, so each one that requires grad must
@@ -193,7 +195,7 @@ class FullyShardedDataParallel:
         """
         ### BEGIN SOLUTION
         # HINT: tensor.register_hook(fn) calls fn(grad) when backward reaches that tensor
-        trace.record(f"forward block {index}", "compute", self._unit_start, trace.now())
+        trace.record(f"forward block {index}", "compute", self._unit_start, trace.now(self.device))
         self._free(self.units[index])
         for t in tensors_requiring_grad(output) if torch.is_grad_enabled() else []:
             t.register_hook(lambda grad: self._pre_backward(index))
@@ -209,7 +211,7 @@ class FullyShardedDataParallel:
         (in place). May use: ``reduce_scatter_tensor(out, input, group=..., async_op=True)``,
         ``dist.all_reduce(tensor, group=..., async_op=True)`` (both return a work handle),
         ``timed(work)``, ``count_sent(kind, buffer_bytes, N)`` (kind "reduce_scatter" or
-        "all_reduce", the full buffer's bytes), ``trace.now()``, ``self.group``,
+        "all_reduce", the full buffer's bytes), ``trace.now(self.device)``, ``self.group``,
         ``self.world_size``.
 
         Requirements and why: launch asynchronously and do not wait — the reduction overlaps
@@ -219,7 +221,7 @@ class FullyShardedDataParallel:
         """
         ### BEGIN SOLUTION
         # HINT: dist.all_reduce(tensor, group=..., async_op=True) returns a work handle too
-        start, buf = trace.now(), u.grad_full
+        start, buf = trace.now(self.device), u.grad_full
         if u.keep_full:
             out, kind = buf, "all_reduce"
             work = dist.all_reduce(out, group=self.group, async_op=True)
@@ -230,4 +232,4 @@ class FullyShardedDataParallel:
         self._pending.append((u, out, timed(work), start))
         ### END SOLUTION
 
-# minitrain-exercises-hash: 641a307ccfe08e80
+# minitrain-exercises-hash: 71564b0d57396f89

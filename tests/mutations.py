@@ -432,9 +432,10 @@ MUTATIONS = [
     Mutation(
         "pipeline: DP gradients all-reduced after every micro-batch's backward",
         "minitrain/pipeline/executor.py",
-        "            run_action(self, action, state)\n",
-        "            run_action(self, action, state)\n"
-        "            if dp_group is not None and action[0] != \"F\":\n"
+        "        self.run(schedule, state)\n",
+        "        for what, item in message_plan(schedule, self.num_chunks)[self.stage]:\n"
+        "            (run_action if what == \"action\" else post_group)(self, item, state)\n"
+        "            if dp_group is not None and what == \"action\" and item[0] != \"F\":\n"
         "                average_gradients(self.parameters(), dp_group)\n",
         ["tests/test_pipeline.py::test_pipeline_with_data_parallel_matches_one_process"],
     ),
@@ -1240,8 +1241,8 @@ MUTATIONS = [
     ),
     Mutation(
         "pipeline shape header without device",
-        "minitrain/pipeline/executor.py",
-        "header = torch.zeros(HEADER, dtype=torch.int64, device=device)",
+        "minitrain/pipeline/messages.py",
+        "header = torch.zeros(HEADER, dtype=torch.int64, device=state.device)",
         "header = torch.zeros(HEADER, dtype=torch.int64)",
         ["tests/test_device_canary.py::test_step_gives_the_same_numbers_under_the_canary"
          "[PipelineStage-1F1B]"],
@@ -1415,10 +1416,10 @@ MUTATIONS = [
         ["tests/test_ddp.py::test_an_untraced_all_reduce_runs_no_python_on_the_communication_thread"],
     ),
     Mutation(
-        "issue 33: DDP's used flags, kept in a list during backward, never reach the all-reduce",
+        "issue 33: DDP's used flags, set as gradients arrive, never reach the all-reduce",
         "minitrain/ddp/gradient_bucket.py",
-        "        self.used.copy_(torch.tensor(self.used_here, dtype=self.used.dtype, device=self.used.device))\n",
-        "",
+        "        self._used_views[k].fill_(1.0)\n",
+        "        pass\n",
         [f"{COMPOSE}::test_ddp_unused_parameters_match_torch_ddp[2-torch]"],
     ),
     Mutation(
@@ -1746,6 +1747,94 @@ MUTATIONS = [
         "             and not strict_p2p.installed())",
         ")",
         ["tests/test_strict_p2p.py::test_gpipe_under_the_canary"],
+    ),
+    Mutation(
+        "issue 41: ring attention sends and receives as two calls (a cycle on NCCL's in-order streams)",
+        "minitrain/context_parallel/ring.py",
+        "        self.requests = dist.batch_isend_irecv([\n",
+        "        self.requests = (lambda ops: [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops])([\n",
+        ["tests/test_strict_p2p.py::test_ring_attention_under_the_canary[2]"],
+    ),
+    # issue 41: MoE parts on get_device() unless told (issue 29), their callers' tokens there too;
+    # DDP's flags on the device
+    Mutation(
+        "issue 41: MoE parts built on torch's default device, not get_device()",
+        "minitrain/moe/experts.py",
+        '    return {"device": torch.device(device) if device is not None else get_device(),\n',
+        '    return {"device": device,\n',
+        ["tests/test_moe_devices.py::test_a_layer_built_without_device_lives_on_get_device",
+         "tests/test_device_canary.py::test_moe_layer_is_built_on_its_device[MINITRAIN_DEVICE]"],
+    ),
+    Mutation(
+        "issue 41: the MoE tests draw their tokens on the CPU and leave them there",
+        "tests/test_moe.py",
+        '    return torch.randn(*shape, generator=generator, device="cpu").to(get_device())\n',
+        '    return torch.randn(*shape, generator=generator, device="cpu")\n',
+        ["tests/test_moe_devices.py::test_the_moe_tests_put_their_tokens_on_get_device"],
+    ),
+    Mutation(
+        "issue 41: chapter 8's graded tests draw their tokens on the CPU and leave them there",
+        "tests/grading/test_ch08_mixture_of_experts.py",
+        '    return torch.randn(T, d, generator=gen, device="cpu").to(get_device())\n',
+        '    return torch.randn(T, d, generator=gen, device="cpu")\n',
+        ["tests/test_moe_devices.py::test_the_chapter_8_graded_tests_put_their_tokens_on_get_device"],
+    ),
+    Mutation(
+        "issue 41: chapter 8's bug hunt draws its tokens on the CPU and leaves them there",
+        "tests/grading/test_ch08_bughunt.py",
+        '    return torch.randn(T, D, generator=gen, device="cpu").to(get_device())\n',
+        '    return torch.randn(T, D, generator=gen, device="cpu")\n',
+        ["tests/test_moe_devices.py::test_the_chapter_8_graded_tests_put_their_tokens_on_get_device"],
+    ),
+    Mutation(
+        "issue 41: notebook 08's expert-parallel cell passes CPU tokens to its layers",
+        "notebooks/08_mixture_of_experts.ipynb",
+        'manual_seed(r), device=\\"cpu\\").to(get_device())\\n",',
+        'manual_seed(r), device=\\"cpu\\")\\n",',
+        ["tests/test_moe_devices.py::test_notebook_08_puts_its_tokens_where_its_layers_are"],
+    ),
+    Mutation(
+        "issue 41: expert parallelism's split check on get_device(), not the rows' device",
+        "minitrain/moe/dispatchers.py",
+        "check_splits(send_splits, recv_splits, self.group, device=rows.device)",
+        "check_splits(send_splits, recv_splits, self.group)",
+        ["tests/test_moe_devices.py::"
+         "test_expert_parallel_built_with_device_computes_there_whatever_get_device_says"],
+    ),
+    Mutation(
+        "issue 41: a DDP bucket launch copies host-side flags into the buffer",
+        "minitrain/ddp/gradient_bucket.py",
+        '        if communication == "torch":\n',
+        "        self.used.copy_(torch.tensor([1.0] * len(self.params), dtype=self.used.dtype,\n"
+        "                                     device=self.used.device))\n"
+        '        if communication == "torch":\n',
+        ["tests/test_ddp_bucket_flags.py::test_a_bucket_launch_copies_no_host_flags_in"],
+    ),
+    Mutation(
+        "issue 41: a pipeline tick's group posted after the action that starts at that tick",
+        "minitrain/pipeline/messages.py",
+        "            while ticks and ticks[0] <= start:",
+        "            while ticks and ticks[0] < start:",
+        ["tests/test_strict_p2p.py::test_every_schedule_equals_one_process_under_the_canary"],
+    ),
+    Mutation(
+        "issue 41: a pipeline message received in the group after its tick's (NCCL order broken)",
+        "minitrain/pipeline/messages.py",
+        "                groups[dst].setdefault(end, []).append((\"recv\", s, message))",
+        "                groups[dst].setdefault(end + 1, []).append((\"recv\", s, message))",
+        ["tests/test_strict_p2p.py::"
+         "test_the_pipeline_plan_runs_under_nccl_semantics_and_gloo_style_posting_does_not"],
+    ),
+    Mutation(
+        "issue 41: a collective's end stamped by the host clock in its future's callback (NCCL: at enqueue)",
+        "minitrain/runtime/trace.py",
+        "        if device is None and _enabled:\n"
+        "            return now(_device_of(fut.value()))\n"
+        "        return now(device)\n",
+        "        return now()\n",
+        ["tests/test_trace_device_clock.py::test_a_futures_end_is_a_device_mark_on_its_tensors_device",
+         "tests/test_trace_device_clock.py::"
+         "test_ddp_zero_and_fsdp_take_every_mark_on_their_parameters_device"],
     ),
 ]
 

@@ -107,6 +107,8 @@ class DataParallel(nn.Module):
         check_replicas_match(self._params, group)
         broadcast_from_first_rank(module, group, skip=ignored_params)
         self.buckets = make_buckets(self._params, bucket_cap_mb)
+        # the device whose clock times backward and the all-reduces (trace.now: a GPU's events)
+        self.device = self._params[0].device if self._params else None
         if communication == "auto" and self.world_size > 1 and self._params:
             # measure α and β now (a collective: every rank constructs), not inside backward
             LINK_COSTS.get(group, self._params[0].device)
@@ -148,7 +150,8 @@ class DataParallel(nn.Module):
         return out
 
     def _backward_started(self, grad):
-        self._backward_start = trace.now()
+        self._backward_start = trace.now(grad.device)
+        self._last_gradient_at = None  # (a mark of an earlier backward, e.g. under no_sync)
 
     @contextmanager
     def no_sync(self):
@@ -165,19 +168,20 @@ class DataParallel(nn.Module):
         # flag "used" first: _on_grad_ready may launch the bucket's all-reduce at once. Flagged
         # under no_sync too, so accumulated gradients count as used at the next synchronisation.
         bucket, k = self._location[param]
-        bucket.used_here[k] = 1.0
+        bucket.mark_used(k)
         # looked up at call time, so a grader's patched _on_grad_ready is the one that runs
         self._on_grad_ready(param)
         # the last gradient produced ends backward's compute: what autograd does between it
         # and the end-of-backward callback is bookkeeping, and counting it as compute made
         # the "hidden" share of a bucket launched by the last gradient swing from run to run
-        self._last_gradient_at = trace.now()
+        self._last_gradient_at = trace.now(param.device)
 
     def _start_sync(self):
         """Called by the first gradient of a backward: arrange the end-of-backward callback."""
         self._needs_sync = True
         if self._backward_start is None:
-            self._backward_start = trace.now()
+            self._backward_start = trace.now(self.device)
+            self._last_gradient_at = None
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(
@@ -257,10 +261,12 @@ class DataParallel(nn.Module):
         """
         if not self._needs_sync:
             return
-        end_of_compute = trace.now()
+        end_of_compute = trace.now(self.device)
         if self._backward_start is not None:
+            # marks may be device events (not comparable on the host): a last gradient of an
+            # earlier backward was forgotten when this one's start was marked
             last = self._last_gradient_at
-            end = last if last is not None and last >= self._backward_start else end_of_compute
+            end = last if last is not None else end_of_compute
             trace.record("backward", "compute", self._backward_start, end)
         for p in self._params:
             if p not in self._ready:
@@ -284,5 +290,5 @@ class DataParallel(nn.Module):
                 f"all-reduce bucket {bucket.index}", "communication", bucket.launched_at, end
             )
             bucket.write_averages(self._averaged_grad_hooks)
-        trace.record("wait for gradients", "idle", end_of_compute, trace.now())
+        trace.record("wait for gradients", "idle", end_of_compute, trace.now(self.device))
         self._reset_step()

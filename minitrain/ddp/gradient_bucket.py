@@ -47,10 +47,12 @@ class GradientBucket:
         # backward's hooks, which torch DDP's C++ reducer does not pay
         self._views = [self.buffer[a:b] for a, b in zip(self.offsets, self.offsets[1:])]
         # the flags: small integer counts, exact in any float dtype (bf16: up to 256 ranks).
-        # Backward's hooks set them in a Python list (a tensor element per gradient would be
-        # a dispatcher call each); the list is written into the buffer once, at launch
+        # Backward's hooks set them on the buffer's device as gradients arrive (``mark_used``:
+        # one fill of a one-element view each, queued like the gradient's copy). Kept in a
+        # Python list and copied in at launch, they were a pageable host-to-device copy per
+        # bucket: on a GPU the host waits there, and the overlap is gone (issue 41)
         self.used = self.buffer[self.offsets[-1] :]
-        self.used_here = [0.0] * len(params)
+        self._used_views = [self.used[k] for k in range(len(params))]
         self.ready = 0  # parameters whose gradient has been copied in this step
         self.wait = None  # waits for the running all-reduce, returns when it ended
         self.launched_at = 0.0
@@ -58,7 +60,11 @@ class GradientBucket:
     def reset(self) -> None:
         """Empty for the next step: no gradient copied in, no all-reduce running, none used."""
         self.ready, self.wait = 0, None
-        self.used_here = [0.0] * len(self.params)
+        self.used.zero_()  # after the last all-reduce: its summed flags were read
+
+    def mark_used(self, k: int) -> None:
+        """This rank's backward reached parameter k (its flag, set on the buffer's device)."""
+        self._used_views[k].fill_(1.0)
 
     def view(self, k: int) -> torch.Tensor:
         """The slice of the buffer that holds parameter k's gradient."""
@@ -69,14 +75,15 @@ class GradientBucket:
         the sum and returns when it ended. ``communication``: "torch", "ring" or
         ``fn(tensor, group)``; ``executor``: the helper thread that runs the last two (one
         thread for all buckets, so they stay in order; unused with "torch")."""
-        self.launched_at = trace.now()
-        self.used.copy_(torch.tensor(self.used_here, dtype=self.used.dtype, device=self.used.device))
+        # (its marks on the buffer's device: there, a GPU's events; issue 41)
+        self.launched_at = trace.now(self.buffer.device)  # the flags are in the buffer already
         if communication == "torch":
             work = dist.all_reduce(self.buffer, group=group, async_op=True)
-            self.wait = torch_wait(work)
+            self.wait = torch_wait(work, self.buffer.device)
             # "asynchronous" need not mean the caller goes on at once (gloo on a busy CPU can
             # hold it for most of the all-reduce): backward computes nothing meanwhile
-            trace.record("launching all-reduce (backward waits)", "idle", self.launched_at, trace.now())
+            trace.record("launching all-reduce (backward waits)", "idle", self.launched_at,
+                         trace.now(self.buffer.device))
             return
         fn = communication
         if fn == "ring":
@@ -86,7 +93,7 @@ class GradientBucket:
 
         def run(buffer=self.buffer, group=group):
             fn(buffer, group)
-            return trace.now()
+            return trace.now(buffer.device)  # on a GPU: after the stream's wait for the sum
 
         self.wait = executor.submit(run).result
 
@@ -121,13 +128,15 @@ def make_buckets(params: list[nn.Parameter], bucket_cap_mb: float) -> list[Gradi
     ]
 
 
-def torch_wait(work):
-    """A function that waits for ``work`` and returns when it ended. While tracing, the
-    future's callback runs the moment the collective completes, so timelines show its real
-    end; it runs Python on gloo's thread, which then waits for the interpreter while backward
-    runs its hooks (the next bucket's all-reduce waits with it: DDP's step 4-8 % slower,
-    measured). Untraced, the end is when the wait returns."""
+def torch_wait(work, device=None):
+    """A function that waits for ``work`` and returns when it ended (a mark on ``device``'s
+    clock: ``trace.now``). While tracing, the future's callback marks the end
+    (``trace.end_mark``): on gloo the moment the collective completes, so timelines show its
+    real end; it runs Python on gloo's thread, which then waits for the interpreter while
+    backward runs its hooks (the next bucket's all-reduce waits with it: DDP's step 4-8 %
+    slower, measured). On NCCL the callback runs at launch, and its mark is an event on a
+    stream that waits for the collective. Untraced, the end is when the wait returns."""
     if not trace.enabled():
         return lambda: (work.wait(), trace.now())[1]
-    ended = work.get_future().then(lambda _: trace.now())
+    ended = trace.end_mark(work, device)
     return lambda: (work.wait(), ended.wait())[1]

@@ -34,6 +34,8 @@ def hidden_communication_share(events: list[trace.Event]) -> float:
     callback, which only waits), so an all-reduce launched by the last gradient overlaps
     nothing: a flat bucket hides ~0 %, as it should. "idle" events inside backward (a launch
     call that held the caller) are taken out of compute: backward computed nothing then.
+    On a GPU every one of these spans is timed by the device's events (``trace``'s event
+    clock), so the share is what the device overlapped, not when the host queued it.
     """
     comm = [e for e in events if e.kind == "communication"]
     compute = [e for e in events if e.kind == "compute"]
@@ -142,14 +144,14 @@ def _take_turns(models: dict, opts: dict, x, y, steps: int) -> tuple[dict, dict]
             trace.reset()
             trace.enable(traced)
             start = device_clock(device)
-            with trace.span("forward", "compute"):
+            with trace.span("forward", "compute", device):  # (a GPU's events: issue 41)
                 loss = lm_loss(model(x), y)
             if name == TORCH_DDP:  # torch DDP records nothing itself: time its backward whole
-                with trace.span("backward (with communication)", "compute"):
+                with trace.span("backward (with communication)", "compute", device):
                     loss.backward()
             else:
                 loss.backward()  # DataParallel records backward and each bucket's all-reduce
-            with trace.span("optimizer", "compute"):
+            with trace.span("optimizer", "compute", device):
                 opts[name].step()
                 opts[name].zero_grad()
             elapsed = device_clock(device) - start

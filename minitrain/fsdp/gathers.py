@@ -81,7 +81,8 @@ class UnitGathers(OrderedGathers):
     def _park(self, u) -> None:
         """Hide ``u``'s parameters as a free would, but keep its gathered buffer (see above)."""
         if u.state == "gathering":  # (the one wait a free of it would have made too)
-            trace.record(f"gather {u.name}", "communication", u.launched, wait_timed(u.work))
+            trace.record(f"gather {u.name}", "communication", u.launched,
+                         wait_timed(u.work, u.full.device))
             u.work = None
         u.hide_params()
         u.state = "free"
@@ -114,4 +115,4 @@ class UnitGathers(OrderedGathers):
         self._gather_down_to(index - 1)
         self._wait_gather(self.units[index])
         if self.units[index] is not None:
-            self.units[index].backward_start = trace.now()
+            self.units[index].backward_start = trace.now(self.device)

@@ -120,7 +120,8 @@ class FullyShardedDataParallel(UnitGathers):
         Returns nothing. May use: ``self._gather_in_order(i)`` (launches, in unit order, every
         gather not yet launched up to unit i — never out of order, so all ranks issue the same
         collectives), ``self._wait_gather(unit)``, ``self._free(unit)`` (both accept None),
-        ``self.units``, ``trace.now()``; set ``self._unit_start`` when the unit's compute starts.
+        ``self.units``, ``trace.now(self.device)`` (this moment on the device's clock: a GPU's
+        event); set ``self._unit_start`` when the unit's compute starts.
 
         Requirements and why: this unit's parameters whole before it computes; the *next*
         unit's gather launched too, so it travels while this one computes (forward
@@ -133,7 +134,7 @@ class FullyShardedDataParallel(UnitGathers):
         for earlier in self.units[:index]:
             self._free(earlier)
         self._wait_gather(self.units[index])
-        self._unit_start = trace.now()
+        self._unit_start = trace.now(self.device)
         ### END SOLUTION
 
     def _post_forward(self, index, output):
@@ -141,9 +142,10 @@ class FullyShardedDataParallel(UnitGathers):
 
         ``output``: what the unit returned — a tensor, or a tuple/list/dict of them (a block
         may return ``(hidden, extra)``). Returns nothing. May use: ``trace.record(f"forward
-        block {index}", "compute", self._unit_start, trace.now())``, ``self._free(unit)``,
-        ``self._pre_backward(index)`` (gathers the unit again), ``tensors_requiring_grad(
-        output)`` (every tensor in it that requires grad), ``torch.is_grad_enabled()``.
+        block {index}", "compute", self._unit_start, trace.now(self.device))``,
+        ``self._free(unit)``, ``self._pre_backward(index)`` (gathers the unit again),
+        ``tensors_requiring_grad(output)`` (every tensor in it that requires grad),
+        ``torch.is_grad_enabled()``.
 
         Requirements and why: free the unit now (that is FSDP's memory saving); backward
         reaches the unit through *any* of its outputs, so each one that requires grad must
@@ -152,7 +154,7 @@ class FullyShardedDataParallel(UnitGathers):
         """
         ### BEGIN SOLUTION
         # HINT: tensor.register_hook(fn) calls fn(grad) when backward reaches that tensor
-        trace.record(f"forward block {index}", "compute", self._unit_start, trace.now())
+        trace.record(f"forward block {index}", "compute", self._unit_start, trace.now(self.device))
         self._free(self.units[index])
         for t in tensors_requiring_grad(output) if torch.is_grad_enabled() else []:
             t.register_hook(lambda grad: self._pre_backward(index))
@@ -169,7 +171,7 @@ class FullyShardedDataParallel(UnitGathers):
         (in place). May use: ``reduce_scatter_tensor(out, input, group=..., async_op=True)``,
         ``dist.all_reduce(tensor, group=..., async_op=True)`` (both return a work handle),
         ``timed(work)``, ``count_sent(kind, buffer_bytes, N)`` (kind "reduce_scatter" or
-        "all_reduce", the full buffer's bytes), ``trace.now()``, ``self.group``,
+        "all_reduce", the full buffer's bytes), ``trace.now(self.device)``, ``self.group``,
         ``self.world_size``.
 
         Requirements and why: launch asynchronously and do not wait — the reduction overlaps
@@ -179,7 +181,7 @@ class FullyShardedDataParallel(UnitGathers):
         """
         ### BEGIN SOLUTION
         # HINT: dist.all_reduce(tensor, group=..., async_op=True) returns a work handle too
-        start, buf = trace.now(), u.grad_full
+        start, buf = trace.now(self.device), u.grad_full
         if u.keep_full:
             out, kind = buf, "all_reduce"
             work = dist.all_reduce(out, group=self.group, async_op=True)

@@ -35,7 +35,8 @@ class Simulation:
     timeline: list  # per stage: (start, end, action) in order
 
 
-def _key(action) -> tuple[int, int]:
+def action_key(action) -> tuple[int, int]:
+    """(micro-batch, chunk) of an action; chunk 0 when the action names none."""
     return action[1], (action[2] if len(action) > 2 else 0)
 
 
@@ -49,13 +50,13 @@ def validate(schedule, num_microbatches: int | None = None, num_chunks: int | No
     if not kinds <= {"F", "B", "W"}:
         raise ScheduleError(f"unknown action kinds {sorted(kinds - {'F', 'B', 'W'})}; use F, B, W")
     m = num_microbatches if num_microbatches is not None else 1 + max(a[1] for a in actions)
-    v = num_chunks if num_chunks is not None else 1 + max(_key(a)[1] for a in actions)
+    v = num_chunks if num_chunks is not None else 1 + max(action_key(a)[1] for a in actions)
     want = ("F", "B", "W") if "W" in kinds else ("F", "B")
     case = f"schedule of p={len(schedule)} stages, m={m} micro-batches" + (f", v={v}" if v > 1 else "")
     for s, stage in enumerate(schedule):
         seen = {}
         for i, a in enumerate(stage):
-            mb, c = _key(a)
+            mb, c = action_key(a)
             if not (0 <= mb < m and 0 <= c < v):
                 why = (f"micro-batch {mb} does not exist when m = {m} (they are 0..{m - 1})"
                        if not 0 <= mb < m else f"chunk {c} does not exist when v = {v}")
@@ -76,7 +77,7 @@ def validate(schedule, num_microbatches: int | None = None, num_chunks: int | No
 
 def dependencies(action, stage: int, p: int, v: int):
     """(kind, mb, chunk, stage) that must finish before ``action`` can start on ``stage``."""
-    kind, (mb, c) = action[0], _key(action)
+    kind, (mb, c) = action[0], action_key(action)
     virtual, last = c * p + stage, p * v - 1
     deps = []
     if kind == "F" and virtual > 0:
@@ -103,7 +104,7 @@ def simulate(schedule, costs=None, num_microbatches=None, num_chunks=None,
         validate(schedule, num_microbatches, num_chunks)
     costs = {k: Fraction(x) for k, x in {**UNIT, **(costs or {})}.items()}
     p = len(schedule)
-    v = num_chunks if num_chunks is not None else 1 + max(_key(a)[1] for st in schedule for a in st)
+    v = num_chunks if num_chunks is not None else 1 + max(action_key(a)[1] for st in schedule for a in st)
     splits = any(a[0] == "W" for st in schedule for a in st)
     finish = {}  # (kind, mb, chunk, stage) -> end time
     position, free_at = [0] * p, [Fraction(0)] * p
@@ -120,7 +121,7 @@ def simulate(schedule, costs=None, num_microbatches=None, num_chunks=None,
                     break
                 start = max([free_at[s]] + [finish[d] for d in deps])
                 end = start + costs[action[0]]
-                mb, c = _key(action)
+                mb, c = action_key(action)
                 finish[(action[0], mb, c, s)] = end
                 free_at[s] = end
                 timeline[s].append((start, end, action))

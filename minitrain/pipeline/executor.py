@@ -152,7 +152,7 @@ class PipelineStage(nn.Module):
                                "must receive what its action needs, and only that")
         work, buffer = state.arrivals.pop(message)
         if work is not None:
-            with trace.span(f"recv {kind}{mb}", "communication"):
+            with trace.span(f"recv {kind}{mb}", "communication", buffer.device):
                 work.wait()
         return buffer
 
@@ -174,7 +174,8 @@ class PipelineStage(nn.Module):
         rng = getattr(self.model, "shard_rng", None)  # as the GPT's forward: SP dropout's stream
         if state.dropout_keys is not None:  # micro-batch mb's key, whatever ran before it
             self.model.dropout_keys.current = state.dropout_keys[mb]
-        with trace.span(f"F{mb}" + (f".{chunk}" if self.num_chunks > 1 else ""), "compute"):
+        with trace.span(f"F{mb}" + (f".{chunk}" if self.num_chunks > 1 else ""), "compute",
+                        x.device):
             with nullcontext() if rng is None else rng.fork(x.device):
                 if module.first:
                     x = module.embed(x, state.positions)
@@ -188,7 +189,7 @@ class PipelineStage(nn.Module):
     def backward(self, name: str, out, grad, inputs=None, retain_graph=False) -> None:
         """``torch.autograd.backward`` of ``out`` with upstream ``grad`` (None for the loss),
         into ``inputs`` only if given (zero bubble's B and W), traced as compute."""
-        with trace.span(name, "compute"):
+        with trace.span(name, "compute", out.device):
             torch.autograd.backward(out, grad, retain_graph=retain_graph, inputs=inputs)
 
     def chunk_parameters(self, chunk: int) -> list:

@@ -12,6 +12,11 @@ Two kinds of stage:
 - ``"sleep"``: **a calibrated sleep**, not a model: ``SleepGPT`` has the GPT's parts but each
   block's forward, input-gradient and weight-gradient each sleep a fixed time (``unit``),
   so the timeline depends on the schedule alone and the bubble must match the formula.
+  The sleep happens where the stage computes: on a GPU a kernel that spins (a host sleep
+  would leave the device idle, and the device-timed trace would show no compute at all).
+
+On a GPU the trace's spans are the device's (``trace``'s event clock, issue 41): host times
+would show when work was queued, and NCCL's waits do not block the host.
 """
 
 from __future__ import annotations
@@ -31,10 +36,18 @@ from minitrain.pipeline.schedules import make_schedule
 from minitrain.runtime import device_clock, get_device, launch, trace
 
 _overshoot = []
+_gpu_cycles_per_second: dict = {}
 
 
-def calibrated_sleep(seconds: float) -> None:
-    """``time.sleep`` minus its measured overshoot on this machine (median of a few tries)."""
+def calibrated_sleep(seconds: float, device="cpu") -> None:
+    """Sleep ``seconds`` on ``device``. The host: ``time.sleep`` minus its measured overshoot
+    on this machine (median of a few tries). A GPU: a kernel spinning that long
+    (``torch.cuda._sleep``), queued on the current stream like the compute it stands for."""
+    if seconds <= 0:
+        return
+    if torch.device(device).type == "cuda":
+        torch.cuda._sleep(int(seconds * _cycles_per_second(device)))
+        return
     if not _overshoot:
         tries = []
         for _ in range(5):
@@ -45,18 +58,34 @@ def calibrated_sleep(seconds: float) -> None:
     time.sleep(max(0.0, seconds - _overshoot[0]))
 
 
+def _cycles_per_second(device) -> float:
+    """The GPU's spin-kernel cycles per second, timed once by two events around 20 ms of it."""
+    device = torch.device(device)
+    if device not in _gpu_cycles_per_second:
+        with torch.cuda.device(device):
+            torch.cuda._sleep(1_000_000)  # warm-up: the first launch pays its set-up
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            cycles = 20_000_000  # ~20 ms at 1 GHz
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            end.synchronize()
+            _gpu_cycles_per_second[device] = cycles / (start.elapsed_time(end) / 1e3)
+    return _gpu_cycles_per_second[device]
+
+
 class _Sleep(torch.autograd.Function):
     """Identity that sleeps ``forward_s`` in forward and ``backward_s`` in backward."""
 
     @staticmethod
     def forward(ctx, x, forward_s, backward_s):
         ctx.backward_s = backward_s
-        calibrated_sleep(forward_s)
+        calibrated_sleep(forward_s, x.device)
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        calibrated_sleep(ctx.backward_s)
+        calibrated_sleep(ctx.backward_s, grad.device)
         return grad, None, None
 
 

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from minitrain.pipeline.check import ScheduleError, _key, simulate
+from minitrain.pipeline.check import ScheduleError, action_key, simulate
 from minitrain.runtime import trace
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -51,7 +51,7 @@ class Message(NamedTuple):
 
 def sent_by(action, stage: int, p: int, v: int) -> Message | None:
     """The message ``action`` of ``stage`` sends when it ends (None: it sends nothing)."""
-    mb, c = _key(action)
+    mb, c = action_key(action)
     virtual = c * p + stage
     if action[0] == "F" and virtual < p * v - 1:
         return Message("F", mb, virtual + 1)
@@ -164,7 +164,7 @@ def post_group(stage, ops: list, state) -> None:
                                       HEADER_TAG + message.to_virtual))
             receiving.append((message, header))
     if headers:
-        with trace.span("shapes", "communication"):
+        with trace.span("shapes", "communication", state.device):
             for work in dist.batch_isend_irecv(headers):
                 work.wait()
         for message, header in receiving:
@@ -189,7 +189,7 @@ def post_group(stage, ops: list, state) -> None:
                                   tag(stage, message)))
             sent.append(buffer)
     names = " ".join(f"{op} {m.kind}{m.mb}" for op, _, m in ops)
-    with trace.span(names, "communication"):
+    with trace.span(names, "communication", state.device):
         works = dist.batch_isend_irecv(p2p)
     if len(works) != len(p2p):  # NCCL coalesces the group into one Work: it stands for each
         works = works * len(p2p)

@@ -72,16 +72,19 @@ class FlatUnit:
 
 
 def timed(work):
-    """A launched collective plus a future of the time it *ends*: the callback runs at
-    completion (not when we wait), so a prefetched gather shows its true length in the trace.
-    (gloo's reduce-scatter has no future: there the end is when the wait returns.)"""
+    """A launched collective plus a future of the mark at which it *ends* (``trace.end_mark``:
+    on gloo the callback runs at completion, not when we wait, so a prefetched gather shows
+    its true length in the trace; on NCCL it marks the end with an event on the device of the
+    collective's tensors). (gloo's reduce-scatter has no future: there the end is when the
+    wait returns: ``wait_timed``.)"""
     try:
-        return work, work.get_future().then(lambda _: trace.now())
+        return work, trace.end_mark(work)
     except RuntimeError:
         return work, None
 
 
-def wait_timed(launched) -> float:
-    """Wait for a collective started with ``timed``; return when it ended."""
+def wait_timed(launched, device=None):
+    """Wait for a collective started with ``timed``; return the mark of its end (without a
+    future: the wait's return, on the clock of ``device``, where its tensors live)."""
     launched[0].wait()
-    return trace.now() if launched[1] is None else launched[1].wait()
+    return trace.now(device) if launched[1] is None else launched[1].wait()

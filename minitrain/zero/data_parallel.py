@@ -169,9 +169,9 @@ class ZeroDataParallel(OrderedGathers):
         May use: ``self.units[i]`` (block i's unit of sharded parameters),
         ``self._start_gather(unit)`` (launches its asynchronous all-gather; does nothing if one
         is in flight or done), ``self._wait_gather(unit)`` (starts it if needed, blocks until
-        the parameters are whole), ``self.blocks``, ``trace.now()``; set
-        ``self._block_start`` to when the block's compute starts (``_post_forward`` records
-        the span from it).
+        the parameters are whole), ``self.blocks``, ``trace.now(self.device)`` (this moment on
+        the device's clock: a GPU's event); set ``self._block_start`` to when the block's
+        compute starts (``_post_forward`` records the span from it).
 
         Requirements and why: block ``index`` cannot compute before its own parameters are
         whole; block ``index + 1``'s gather must be *in flight* — started, not waited for —
@@ -183,7 +183,7 @@ class ZeroDataParallel(OrderedGathers):
         self._wait_gather(self.units[index])
         if index + 1 < len(self.blocks):
             self._start_gather(self.units[index + 1])
-        self._block_start = trace.now()
+        self._block_start = trace.now(self.device)
         ### END SOLUTION
 
     def _post_forward(self, index, output):
@@ -191,9 +191,9 @@ class ZeroDataParallel(OrderedGathers):
 
         ``output``: what the block returned (a tensor here). Returns nothing.
         May use: ``trace.record(name, "compute", start, end)`` (record the block's compute as
-        ``f"forward block {index}"`` from ``self._block_start`` to now), ``self._free(unit)``,
-        ``self.units[index]``, ``self._pre_backward(index)`` (gathers the unit again),
-        ``torch.is_grad_enabled()``.
+        ``f"forward block {index}"`` from ``self._block_start`` to ``trace.now(self.device)``),
+        ``self._free(unit)``, ``self.units[index]``, ``self._pre_backward(index)`` (gathers the
+        unit again), ``torch.is_grad_enabled()``.
 
         Requirements and why: free the unit at once — holding every block's full parameters
         is exactly the memory ZeRO-3 saves; backward will need them again just before the
@@ -203,7 +203,7 @@ class ZeroDataParallel(OrderedGathers):
         """
         ### BEGIN SOLUTION
         # HINT: output.register_hook(fn) calls fn(grad) when the gradient of output is known
-        trace.record(f"forward block {index}", "compute", self._block_start, trace.now())
+        trace.record(f"forward block {index}", "compute", self._block_start, trace.now(self.device))
         self._free(self.units[index])
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
             output.register_hook(lambda grad: self._pre_backward(index))
@@ -223,7 +223,7 @@ class ZeroDataParallel(OrderedGathers):
         if self.stage == 1:
             reduce_scatter_gradients(units, self.group, self.world_size)
         hand_gradients_to_masters(units, self.offload, self.device)
-        with trace.span("optimizer step", "compute"):
+        with trace.span("optimizer step", "compute", self.device):
             if self.loss_scaler is None:
                 self.optimizer.step()
             else:

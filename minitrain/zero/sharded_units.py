@@ -47,7 +47,8 @@ def tensors_requiring_grad(out) -> list:
 class ShardedUnits(nn.Module):
     """The gather/free/prefetch hooks and the ordered reduce-scatters over ``FlatUnit``\\ s.
 
-    A subclass sets: ``module``, ``group``, ``world_size``, ``rank``; ``units`` (the units in
+    A subclass sets: ``module``, ``group``, ``world_size``, ``rank``, ``device`` (where the
+    units live: its clock times the trace, ``trace.now(device)``); ``units`` (the units in
     ``blocks`` order, ``None`` for a block without parameters, then the root unit), ``root``,
     ``blocks``; ``_gathers`` (parameters sharded: gather/free them) and calls
     ``_init_reduction(order)`` and, if it gathers, ``_init_gathering()``.
@@ -117,7 +118,7 @@ class ShardedUnits(nn.Module):
         u.full.untyped_storage().resize_(u.padded * u.full.element_size())
         self._gathered += u.padded * u.full.element_size()
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self._gathered)
-        u.launched = trace.now()
+        u.launched = trace.now(u.full.device)  # (a GPU's event: issue 41)
         # .data: the collective writes through an alias with its own version counter, so the
         # tensors autograd saved (views of u.full) are not flagged as modified in place
         u.work = timed(
@@ -131,7 +132,8 @@ class ShardedUnits(nn.Module):
             return
         self._start_gather(u)
         if u.state == "gathering":
-            trace.record(f"gather {u.name}", "communication", u.launched, wait_timed(u.work))
+            trace.record(f"gather {u.name}", "communication", u.launched,
+                         wait_timed(u.work, u.full.device))
             u.state, u.work = "full", None
             u.show_params()  # only now: a gather in flight is not yet data
 
@@ -141,7 +143,7 @@ class ShardedUnits(nn.Module):
             return
         if u.state == "gathering":
             wait_timed(u.work)
-        with trace.span(f"free {u.name}", "memory"):
+        with trace.span(f"free {u.name}", "memory", u.full.device):
             u.full.untyped_storage().resize_(0)
             u.hide_params()
         self._gathered -= u.padded * u.full.element_size()
@@ -160,7 +162,7 @@ class ShardedUnits(nn.Module):
         if index > 0:
             self._start_gather(self.units[index - 1])
         if self.units[index] is not None:
-            self.units[index].backward_start = trace.now()
+            self.units[index].backward_start = trace.now(self.device)
 
     def _backward_begins(self, grad):
         self._arm_callback()
@@ -171,7 +173,7 @@ class ShardedUnits(nn.Module):
     # ------------------------------------------------------------------ gradients
     def _arm_callback(self):
         if not self._callback_queued:  # runs once, when the whole backward is done
-            self._callback_queued, self._backward_start = True, trace.now()
+            self._callback_queued, self._backward_start = True, trace.now(self.device)
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _new_grad_full(self, u):
@@ -194,7 +196,8 @@ class ShardedUnits(nn.Module):
         if u.ready == len(u.params):
             if self._gathers:  # every use of its parameters in backward is done: free them
                 if u.backward_start is not None:  # (its gradients are safe in u.grad_full)
-                    trace.record(f"backward {u.name}", "compute", u.backward_start, trace.now())
+                    trace.record(f"backward {u.name}", "compute", u.backward_start,
+                                 trace.now(self.device))
                     u.backward_start = None
                 self._free(u)
             self._launch_ready_units()
@@ -212,7 +215,7 @@ class ShardedUnits(nn.Module):
 
     def _launch_reduce_scatter(self, u):
         out = torch.empty(u.shard_numel, dtype=u.grad_full.dtype, device=u.grad_full.device)
-        u.launched = trace.now()
+        u.launched = trace.now(out.device)
         work = timed(reduce_scatter_tensor(out, u.grad_full, group=self.group, async_op=True))
         count_sent("reduce_scatter", u.padded * u.grad_full.element_size(), self.world_size)
         self._pending.append((u, out, work, u.launched))
@@ -220,7 +223,7 @@ class ShardedUnits(nn.Module):
     def _finish_backward(self):
         """End of backward: reduce what is left, wait for all, hand each average on."""
         if not self._gathers:  # (with gathers, each block's backward is recorded instead)
-            trace.record("backward", "compute", self._backward_start, trace.now())
+            trace.record("backward", "compute", self._backward_start, trace.now(self.device))
         self._launch_remaining()
         self._wait_reductions()
 
@@ -234,7 +237,8 @@ class ShardedUnits(nn.Module):
     def _wait_reductions(self):
         for u, out, work, launched in self._pending:
             kind = "all-reduce" if u.keep_full else "reduce-scatter"
-            trace.record(f"{kind} {u.name}", "communication", launched, wait_timed(work))
+            trace.record(f"{kind} {u.name}", "communication", launched,
+                         wait_timed(work, out.device))
             self._store_reduced(u, out.div_(self.world_size))
             u.grad_full, u.ready = None, 0
         if self._gathers:

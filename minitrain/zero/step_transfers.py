@@ -75,7 +75,7 @@ def write_back_shards(units: list, stage: int, separate_master: bool, offload: b
             if stage == 1:
                 u.grad_shard = None
             if stage < 3:
-                t0 = trace.now()
+                t0 = trace.now(u.full.device)  # (a GPU's events: issue 41)
                 all_gather_tensor(u.full, u.shard.clone(), group=group)
                 count_sent("all_gather", u.padded * u.full.element_size(), world_size)
-                trace.record(f"all-gather {u.name}", "communication", t0, trace.now())
+                trace.record(f"all-gather {u.name}", "communication", t0, trace.now(u.full.device))
