@@ -18,7 +18,14 @@ from minitrain.moe import (
     top_k_routing,
     unsort,
 )
-from minitrain.runtime import launch
+from minitrain.runtime import get_device, launch
+
+
+def tokens(*shape, generator=None):
+    """Tokens where an MoE layer built without ``device=`` lives, ``get_device()`` (issue 29):
+    drawn on the CPU (the same numbers on every device), then moved there — a layer on a GPU
+    rank given CPU tokens fails (issue 41)."""
+    return torch.randn(*shape, generator=generator, device="cpu").to(get_device())
 
 
 # ------------------------------------------------------------------ references (loops)
@@ -48,7 +55,7 @@ def reference_moe(layer, x):
     ex, rows = layer.experts, []
     for t in range(x.shape[0]):
         chosen = probs[t, idx[t]]
-        y = torch.zeros(layer.d_model)
+        y = torch.zeros(layer.d_model, device=x.device)
         for j in range(layer.top_k):
             if keep[t, j]:
                 e = int(idx[t, j])
@@ -103,17 +110,19 @@ def test_weights_are_renormalised_and_bias_only_chooses():
 def test_load_is_counted_only_for_the_bias_that_reads_it():
     """Issue 40: in aux-loss mode nothing ever reset ``observed_load``: it grew for ever."""
     layer = MoELayer(4, 8, 4, top_k=2)  # balancing="aux_loss"
-    layer(torch.randn(6, 4, device="cpu"))
+    layer(tokens(6, 4))
     assert layer.router.observed_load.sum() == 0
     biased = MoELayer(4, 8, 4, top_k=2, balancing="bias")
-    biased(torch.randn(6, 4, device="cpu"))
+    biased(tokens(6, 4))
     assert biased.router.observed_load.sum() == 12  # 6 tokens × 2 choices
 
 
 def test_bias_update_follows_the_load():
     layer = MoELayer(4, 8, 4, balancing="bias", bias_update_rate=0.1)
-    layer.router.update_bias(torch.tensor([10.0, 0.0, 3.0, 3.0]))  # mean 4
-    torch.testing.assert_close(layer.router.expert_bias, torch.tensor([-0.1, 0.1, 0.1, 0.1]))
+    here = get_device()  # where the layer was built
+    layer.router.update_bias(torch.tensor([10.0, 0.0, 3.0, 3.0], device=here))  # mean 4
+    torch.testing.assert_close(layer.router.expert_bias,
+                               torch.tensor([-0.1, 0.1, 0.1, 0.1], device=here))
     assert layer.router.observed_load.sum() == 0
 
 
@@ -162,7 +171,7 @@ def test_sort_by_expert_and_unsort():
 def test_moe_layer_matches_the_token_loop(k, capacity_factor):
     torch.manual_seed(0)
     layer = MoELayer(6, 10, 4, top_k=k, capacity_factor=capacity_factor, aux_loss_weight=0)
-    x = torch.randn(14, 6, requires_grad=True)
+    x = tokens(14, 6).requires_grad_()
     x_ref = x.detach().clone().requires_grad_()
     y, y_ref = layer(x), reference_moe(layer, x_ref)
     torch.testing.assert_close(y, y_ref)
@@ -183,8 +192,8 @@ def test_switch_top1_router_learns_from_the_task_loss_alone():
     Top-2 keeps renormalised weights that sum to 1 (GShard / Mixtral)."""
     torch.manual_seed(0)
     layer = MoELayer(6, 10, 4, top_k=1, aux_loss_weight=0)
-    x = torch.randn(14, 6)
-    g = torch.randn(14, 6)
+    x = tokens(14, 6)
+    g = tokens(14, 6)
     (layer(x) * g).sum().backward()
     grad = layer.router.gate.weight.grad
     # the formula by hand: y_t = p_e(x_t) · E_e(x_t), e = argmax p
@@ -199,7 +208,7 @@ def test_switch_top1_router_learns_from_the_task_loss_alone():
     assert grad.abs().max() > 1e-3, f"top-1 router gradient {grad.abs().max():.2e}: gated by 1?"
     top2 = MoELayer(6, 10, 4, top_k=2, aux_loss_weight=0)
     top2(x)
-    torch.testing.assert_close(top2.last_routing.weights.sum(-1), torch.ones(14))
+    torch.testing.assert_close(top2.last_routing.weights.sum(-1), torch.ones(14, device=x.device))
 
 
 def test_moe_gpt_adds_aux_loss_and_trains():
@@ -236,7 +245,7 @@ def test_moe_gpt_adds_aux_loss_and_trains():
 
 # ------------------------------------------------------------------ expert parallelism
 def _chunk(rank, T, d, seed=10):
-    x = torch.randn(T, d, generator=torch.Generator().manual_seed(seed + rank))
+    x = tokens(T, d, generator=torch.Generator(device="cpu").manual_seed(seed + rank))
     return x.abs() if seed < 0 else x
 
 
@@ -253,7 +262,8 @@ def _ep_case(E, k, capacity_factor, skew, T):
             local.router.gate.weight.zero_()
             local.router.gate.weight[0, 0] = 50.0
     chunks = [_chunk(r, T, d).abs() if skew else _chunk(r, T, d) for r in range(P)]
-    grads = [torch.randn(T, d, generator=torch.Generator().manual_seed(99 + r)) for r in range(P)]
+    grads = [tokens(T, d, generator=torch.Generator(device="cpu").manual_seed(99 + r))
+             for r in range(P)]
     ep = ExpertParallelMoE.from_local(local)
     # reference: the local layer on each rank's tokens; the loss is the mean over ranks
     xs = [c.clone().requires_grad_() for c in chunks]
@@ -332,7 +342,7 @@ def _bad_counts_case():
     torch.manual_seed(0)
     ep = ExpertParallelMoE.from_local(MoELayer(4, 8, 2))
     try:
-        ep(torch.randn(6, 4))
+        ep(tokens(6, 4))
     except RuntimeError as exc:
         return str(exc)
     return "no error"

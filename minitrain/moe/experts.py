@@ -19,9 +19,11 @@ from minitrain.runtime.rank import get_device
 
 
 def factory_kwargs(device=None, dtype=None) -> dict:
-    """``device=``/``dtype=`` for new parameters, as torch modules take them: built where they
-    will live (this rank's device, ``get_device()``, unless told), never on the CPU and moved
-    after — on a GPU the weights are born on it (issue 29)."""
+    """``device=``/``dtype=`` for new parameters, honoured as torch modules honour them; without
+    ``device=``, built where they will live: this rank's device, ``get_device()`` (issue 29),
+    never on the CPU and moved after — on a GPU the weights are born on it. A caller passes
+    tokens on the layer's device (drawn on the CPU for device-independent numbers, then moved
+    to ``get_device()``), or builds the layer with ``device=x.device`` (issue 41)."""
     return {"device": torch.device(device) if device is not None else get_device(),
             "dtype": dtype}
 

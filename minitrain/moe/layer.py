@@ -35,7 +35,8 @@ class MoELayer(nn.Module):
     only): parts to use instead of new ones — ``ExpertParallelMoE.from_local`` builds the
     layer from a local one's router, a share of its experts and an ``AllToAllDispatcher``. Extra keywords go to ``TopKRouter``
     (``balancing``, ``aux_loss_weight``, ``z_loss_weight``, ``bias_update_rate``);
-    ``device``/``dtype`` place new parts as torch modules do (default: ``get_device()``).
+    ``device``/``dtype`` place new parts as torch modules do (default: ``get_device()``);
+    the caller passes tokens on that device (issue 41).
     After a forward: ``aux_loss`` (the router's weighted auxiliary losses: the caller adds
     it to the loss) and ``last_routing`` (``router.Routing``: indices, weights, keep, probs,
     load). With ``aux_loss_in_backward = True`` (set by ``apply_moe``) the aux loss instead

@@ -121,11 +121,12 @@ def expert_parallel_step(tokens: int = 256, d_model: int = 32, d_ff: int = 64,
     and its trace events (route / dispatch / expert compute / combine)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(seed)
-    local = MoELayer(d_model, d_ff, num_experts, top_k, capacity_factor)
+    device = get_device()  # the layer and the tokens where this rank computes
+    local = MoELayer(d_model, d_ff, num_experts, top_k, capacity_factor, device=device)
     ep = ExpertParallelMoE.from_local(local)
     # the tokens drawn on the CPU (the same numbers everywhere), then moved to this rank's device
     gen = torch.Generator(device="cpu").manual_seed(seed + 1 + rank)
-    x = torch.randn(tokens, d_model, generator=gen, device="cpu").to(get_device())
+    x = torch.randn(tokens, d_model, generator=gen, device="cpu").to(device)
     x.requires_grad_()
     reset_communication_log()
     trace.reset()

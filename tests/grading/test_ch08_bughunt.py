@@ -7,9 +7,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from minitrain.runtime import launch
+from minitrain.runtime import get_device, launch
 
 E, K, T, D = 4, 2, 12, 8
+
+
+def _tokens(seed):
+    """T tokens of width D where an MoE layer built without ``device=`` lives, ``get_device()``:
+    drawn on the CPU (the same numbers on every device), then moved there (issue 41)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(T, D, generator=gen, device="cpu").to(get_device())
 
 
 def _against_the_local_layer():
@@ -18,8 +25,8 @@ def _against_the_local_layer():
     rank, P = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     local = MoELayer(D, 16, E, top_k=K)
-    xs = [torch.randn(T, D, generator=torch.Generator().manual_seed(10 + r)) for r in range(P)]
-    ws = [torch.randn(T, D, generator=torch.Generator().manual_seed(20 + r)) for r in range(P)]
+    xs = [_tokens(10 + r) for r in range(P)]
+    ws = [_tokens(20 + r) for r in range(P)]
     ep = ExpertParallelMoE.from_local(local)
     total = sum(((local(xs[r]) * ws[r]).sum() + local.aux_loss) / P for r in range(P))
     total.backward()

@@ -7,7 +7,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minitrain.runtime import launch
+from minitrain.runtime import get_device, launch
+
+
+def _tokens(T, d, seed):
+    """T tokens of width d where an MoE layer built without ``device=`` lives, ``get_device()``:
+    drawn on the CPU (the same numbers on every device), then moved there (issue 41)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    return torch.randn(T, d, generator=gen, device="cpu").to(get_device())
 
 
 def _probs(T, E, seed):
@@ -159,7 +166,7 @@ def _expert_parallel_case():
     torch.manual_seed(0)
     local = MoELayer(6, 8, 4, top_k=2, capacity_factor=0.75)
     ep = ExpertParallelMoE.from_local(local)
-    x = torch.randn(10, 6, generator=torch.Generator().manual_seed(rank))
+    x = _tokens(10, 6, rank)
     want = local(x)
     return (ep(x) - want).abs().max().item(), local.last_routing.dropped_fraction
 
