@@ -67,9 +67,14 @@ class CountCollectives:
     def __enter__(self):
         import minitrain.zero.optimizer as zopt
 
+        import torch.distributed.distributed_c10d as c10d
+
         for name in KINDS:
             self._saved.append((dist, name, getattr(dist, name)))
             setattr(dist, name, self._wrap(name, getattr(dist, name)))
+            if name in ("isend", "irecv"):  # the pipeline's P2POps check their op against these
+                self._saved.append((c10d, name, getattr(c10d, name)))
+                setattr(c10d, name, getattr(dist, name))
         # ZeRO-1 binds its all-gather at import (minitrain.zero.buffers): count it there too
         self._saved.append((zopt, "all_gather_tensor", zopt.all_gather_tensor))
         zopt.all_gather_tensor = self._wrap("all_gather_into_tensor", zopt.all_gather_tensor)

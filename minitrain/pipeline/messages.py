@@ -164,9 +164,8 @@ def post_group(stage, ops: list, state) -> None:
                                       HEADER_TAG + message.to_virtual))
             receiving.append((message, header))
     if headers:
-        with trace.span("shapes", "communication", state.device):
-            for work in dist.batch_isend_irecv(headers):
-                work.wait()
+        for work in dist.batch_isend_irecv(headers):  # first step only: inside its recv's wait
+            work.wait()
         for message, header in receiving:
             ndim = int(header[0])
             stage.known_shapes[(message.to_virtual, state.key)] = (
@@ -188,9 +187,12 @@ def post_group(stage, ops: list, state) -> None:
             p2p.append(dist.P2POp(dist.irecv, buffer, peer_rank(peer), stage.group,
                                   tag(stage, message)))
             sent.append(buffer)
-    names = " ".join(f"{op} {m.kind}{m.mb}" for op, _, m in ops)
-    with trace.span(names, "communication", state.device):
-        works = dist.batch_isend_irecv(p2p)
+    start = trace.now(state.device)
+    works = dist.batch_isend_irecv(p2p)
+    end = trace.now(state.device)
+    for op, _, message in ops:  # a span per send (as a wait per receive, in stage.recv)
+        if op == "send":
+            trace.record(f"send {message.kind}{message.mb}", "communication", start, end)
     if len(works) != len(p2p):  # NCCL coalesces the group into one Work: it stands for each
         works = works * len(p2p)
     for (op, _, message), work, tensor in zip(ops, works, sent):
