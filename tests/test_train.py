@@ -65,9 +65,9 @@ class CountCollectives:
         return counted
 
     def __enter__(self):
-        import minitrain.zero.optimizer as zopt
-
         import torch.distributed.distributed_c10d as c10d
+
+        import minitrain.zero.optimizer as zopt
 
         for name in KINDS:
             self._saved.append((dist, name, getattr(dist, name)))
