@@ -1836,6 +1836,57 @@ MUTATIONS = [
          "tests/test_trace_device_clock.py::"
          "test_ddp_zero_and_fsdp_take_every_mark_on_their_parameters_device"],
     ),
+    # issue 42: the modeled interconnect (minitrain/runtime/link*.py)
+    Mutation(
+        "issue 42: link: all-reduce costed as one message",
+        "minitrain/runtime/link_costs.py",
+        "    return 0.0 if N == 1 else 2 * (N - 1) * (link.alpha + nbytes / (N * link.bandwidth))",
+        "    return 0.0 if N == 1 else link.alpha + nbytes / link.bandwidth",
+        ["tests/test_link.py::test_cost_formulas_are_exact",
+         "tests/test_link.py::test_world_2_messages_take_their_modeled_time"],
+    ),
+    Mutation(
+        "issue 42: link: an async wait returns with the real operation, ignoring its modeled finish",
+        "minitrain/runtime/link_messages.py",
+        "        self._real_wait(timeout)\n        sleep_until(finish_of(self._parts))\n",
+        "        self._real_wait(timeout)\n",
+        ["tests/test_link.py::test_world_2_messages_take_their_modeled_time"],
+    ),
+    Mutation(
+        "issue 42: link: a modeled wait spins instead of sleeping",
+        "minitrain/runtime/link_messages.py",
+        "    if delay > 0:\n        time.sleep(delay)\n",
+        "    while time.monotonic() < t:\n        pass\n",
+        ["tests/test_link.py::test_world_2_messages_take_their_modeled_time"],
+    ),
+    Mutation(
+        "issue 42: link: messages on one group do not queue",
+        "minitrain/runtime/link_messages.py",
+        "        start = max(now, *(_free.get((group, d), 0.0) for d in directions))",
+        "        start = now",
+        ["tests/test_link.py::test_world_2_messages_take_their_modeled_time"],
+    ),
+    Mutation(
+        "issue 42: link: a receive ignores its sender's finish (a receive posted early ends early)",
+        "minitrain/runtime/link_messages.py",
+        "                self.finish = max(free, self.sent if self.sent else time.monotonic())",
+        "                self.finish = max(free, time.monotonic())",
+        ["tests/test_link.py::test_world_2_messages_take_their_modeled_time"],
+    ),
+    Mutation(
+        "issue 42: link: leaving use_link leaves torch.distributed wrapped",
+        "minitrain/runtime/link_wrap.py",
+        "            if getattr(module, name) is _WRAPPERS[name]:\n                setattr(module, name, fn)",
+        "            if getattr(module, name) is _WRAPPERS[name]:\n                pass",
+        ["tests/test_link.py::test_off_nothing_is_wrapped_and_use_link_unwraps"],
+    ),
+    Mutation(
+        "issue 42: link: the mesh's groups are not named after their axes (every axis on the default link)",
+        "minitrain/parallel/mesh.py",
+        "                group = dist.new_group(ranks, group_desc=axis)  # named: a link per axis",
+        "                group = dist.new_group(ranks)",
+        ["tests/test_link.py::test_world_4_and_a_link_per_mesh_axis"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

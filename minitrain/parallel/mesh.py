@@ -142,7 +142,7 @@ class DeviceMesh:
         # every rank creates every group in the same order: new_group is collective
         for axis in (*AXES, "dp_cp"):
             for ranks in self._all_groups(axis):
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, group_desc=axis)  # named: a link per axis
                 if me in ranks:
                     self._groups[axis], self._ranks[axis] = group, ranks
         if ep == 1:  # the experts are replicated like every other parameter
@@ -151,7 +151,7 @@ class DeviceMesh:
             return
         for axis in ("ep", "expert_dp"):
             for ranks in self._all_groups(axis):
-                group = dist.new_group(ranks)
+                group = dist.new_group(ranks, group_desc=axis)
                 if me in ranks:
                     self._groups[axis], self._ranks[axis] = group, ranks
 

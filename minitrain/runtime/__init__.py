@@ -10,7 +10,10 @@ Notebook 00 teaches it; every multi-process chapter uses it.
 - ``point_to_point.py``: send/recv helpers (chapter 0's exercises);
 - ``strict_p2p.py`` / ``strict_stream.py``: the NCCL-semantics canary (``MINITRAIN_P2P=strict``:
   one in-order stream per rank, unbuffered sends, tags ignored, ``batch_isend_irecv`` a group);
-- ``trace.py``: per-rank timelines of compute and communication;
+- ``link.py`` (with ``link_costs.py``, ``link_messages.py``, ``link_wrap.py``): a modeled
+  interconnect (``use_link``, ``launch(link=)``, ``MINITRAIN_LINK``): every message takes its
+  α–β time, relative to this machine's compute (issue 42);
+- ``trace.py``: per-rank timelines of compute and communication (a GPU's spans on its events);
 - ``communication_log.py``: the one log of what every technique sent (``COMMUNICATION_LOG``);
 - ``timing.py``: step times of several ranks summarised (the slowest rank's, median, quartiles),
   one call timed on every rank (``slowest_rank_seconds``);

@@ -48,6 +48,8 @@ import torch.distributed as dist
 
 # waiting for the ranks and naming the one that failed: its own file (launch_errors.py)
 from minitrain.runtime.launch_errors import LaunchError, wait_for_ranks  # noqa: F401 — API too
+from minitrain.runtime.link import install as install_link
+from minitrain.runtime.link import rank_initializers as link_initializers
 from minitrain.runtime.rank import (  # noqa: F401 — part of this module's API too
     HOST,
     default_backend,
@@ -128,6 +130,7 @@ def launch(
     timeout: float = 120.0,
     backend: str | None = None,
     print_output: bool = True,
+    link=None,
     **kwargs,
 ) -> RankResults:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks and return their return values.
@@ -138,6 +141,10 @@ def launch(
     Raises ``LaunchError`` naming the rank when a rank raises, dies or does not finish
     within ``timeout`` seconds; the other ranks are then killed. SIGINT, SIGTERM or SIGHUP
     meanwhile stop every rank, then raise ``Interrupted`` (a ``KeyboardInterrupt``).
+
+    ``link`` (a ``minitrain.runtime.link.Link``, a dict axis → Link, or a preset name): every
+    message between the ranks takes its modeled time; default: the link in force here
+    (``use_link``), else ``MINITRAIN_LINK``, else none (``minitrain/runtime/link.py``).
 
     In a script, call it under ``if __name__ == "__main__":`` — each rank imports the script's
     main module, and an unguarded call would run again there.
@@ -164,8 +171,10 @@ def launch(
             f"worker processes ({type(exc).__name__}: {exc})"
         ) from exc
 
-    # MINITRAIN_P2P=strict, read now: ranks come from a forkserver started before (strict_p2p.py)
-    initializers = cloudpickle.dumps(list(_rank_initializers) + strict_p2p_initializers(timeout))
+    # MINITRAIN_P2P=strict and MINITRAIN_LINK, read now: ranks come from a forkserver started
+    # before (strict_p2p.py, link.py); the link last, so that it wraps the canary
+    initializers = cloudpickle.dumps(list(_rank_initializers) + strict_p2p_initializers(timeout)
+                                     + link_initializers(link))
     threads = max(1, (os.cpu_count() or 1) // world_size)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: no DNS, no real NIC
     ctx = _forkserver()
@@ -286,6 +295,9 @@ def run(fn, world_size: int, *args, **kwargs):
     if running_under_torchrun():
         init_from_env(kwargs.pop("backend", None))
         kwargs.pop("timeout", None)
+        link = kwargs.pop("link", None)
+        if link is not None:
+            install_link(link)
         try:
             return fn(*args, **kwargs)
         finally:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from minitrain.runtime import trace
+from minitrain.runtime.link import install_from_environment as install_link_from_environment
 from minitrain.runtime.strict_p2p import install_from_environment
 
 HOST = "127.0.0.1"
@@ -70,6 +71,7 @@ def init_from_env(backend: str | None = None) -> tuple[int, int]:
     if not dist.is_initialized():
         dist.init_process_group(backend)
     install_from_environment()  # MINITRAIN_P2P=strict: NCCL's point-to-point semantics
+    install_link_from_environment()  # MINITRAIN_LINK: the modeled interconnect (link.py)
     return dist.get_rank(), dist.get_world_size()
 
 
