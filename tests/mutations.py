@@ -1887,6 +1887,16 @@ MUTATIONS = [
         "                group = dist.new_group(ranks)",
         ["tests/test_link.py::test_world_4_and_a_link_per_mesh_axis"],
     ),
+    Mutation(
+        "issue 42: link: ZeRO binds torch's reduce-scatter at import (a later link never sees it)",
+        "minitrain/zero/buffers.py",
+        "def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):\n"
+        "    \"\"\"Reduce-scatter ``input`` (N equal slices) into ``output`` (this rank's slice).\"\"\"\n"
+        "    collective = getattr(dist, \"reduce_scatter_single\", None) or dist.reduce_scatter_tensor\n"
+        "    return collective(output, input, op=op, group=group, async_op=async_op)\n",
+        "reduce_scatter_tensor = getattr(dist, \"reduce_scatter_single\", None) or dist.reduce_scatter_tensor\n",
+        ["tests/test_link.py::test_zero_collectives_see_a_link_entered_after_import"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

@@ -22,6 +22,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from minitrain.runtime import launch, link, link_costs, link_wrap
 from minitrain.runtime.link import LINKS, SYSTEMS, Link, describe, scaled, use_link
+from minitrain.runtime.timing import span_seconds, timed_spans
 
 KIB, MIB = 1024, 1024 * 1024
 L = Link(15e-3, 125e6, "test")  # all-reduces of 4 KiB .. 16 MiB: 15 ms .. 0.3 s
@@ -104,19 +105,6 @@ def test_off_nothing_is_wrapped_and_use_link_unwraps(monkeypatch):
 
 
 # --------------------------------------------------------------------------- the ranks' side
-def _time(fn, reps=5):
-    """Per repetition, when this rank started and finished ``fn()`` after a barrier (one warm-up
-    first), on CLOCK_MONOTONIC, which the processes of one machine share."""
-    fn()
-    out = []
-    for _ in range(reps):
-        dist.barrier()
-        start = time.monotonic()
-        fn()
-        out.append((start, time.monotonic()))
-    return out
-
-
 def _all_reduces(group=None):
     """{(algorithm, bytes): [(start, end) per repetition]} for each algorithm of SIZES."""
     from minitrain import collectives
@@ -126,9 +114,9 @@ def _all_reduces(group=None):
         for n in sizes:
             x = torch.ones(n // 4)
             if algorithm == "torch":
-                out[algorithm, n] = _time(lambda x=x: dist.all_reduce(x, group=group))
+                out[algorithm, n] = timed_spans(lambda x=x: dist.all_reduce(x, group=group))
             else:
-                out[algorithm, n] = _time(
+                out[algorithm, n] = timed_spans(
                     lambda x=x, a=algorithm: collectives.all_reduce(x, a, group))
     return out
 
@@ -181,10 +169,10 @@ def _other_collectives():
         calls["all_gather_single"] = (lambda: dist.all_gather_single(full, shard), "all_gather")
         calls["reduce_scatter_single"] = (lambda: dist.reduce_scatter_single(shard, full),
                                           "reduce_scatter")
-    out = {name: (_time(fn), link_costs.collective_time(kind, MIB, N, L))
+    out = {name: (timed_spans(fn), link_costs.collective_time(kind, MIB, N, L))
            for name, (fn, kind) in calls.items()}
     peer = 1 - r  # world 2: a blocking send one way, then the other
-    out["send/recv"] = (_time(lambda: (dist.send(full, peer), dist.recv(full, peer)) if r == 0
+    out["send/recv"] = (timed_spans(lambda: (dist.send(full, peer), dist.recv(full, peer)) if r == 0
                               else (dist.recv(full, peer), dist.send(full, peer))),
                         2 * link_costs.p2p_time(MIB, L))
     return out
@@ -229,7 +217,7 @@ def _world2():
     strict_p2p.install(30.0)  # the canary first, the link wrapping it (launch's order)
     with use_link(L):
         x = torch.full((MIB // 4,), float(dist.get_rank() + 1))
-        result["strict"] = _time(lambda: collectives.all_reduce(x, "ring"))
+        result["strict"] = timed_spans(lambda: collectives.all_reduce(x, "ring"))
         x.fill_(dist.get_rank() + 1)
         collectives.all_reduce(x, "ring")
         result["strict_sum"] = x[0].item()
@@ -246,22 +234,14 @@ def _world4_mesh():
     result["names"]["world"] = link.link_of().name
     x = torch.ones(256 * KIB // 4)
     for axis in ("tp", "dp"):
-        result[axis] = _time(lambda a=axis: dist.all_reduce(x, group=mesh.group(a)))
+        result[axis] = timed_spans(lambda a=axis: dist.all_reduce(x, group=mesh.group(a)))
     return result
-
-
-def _slowest(per_rank):
-    """The median over repetitions of the time from the last rank's start to the last rank's
-    end: an operation cannot start before its last rank calls it, and a barrier lets ranks go
-    milliseconds apart on a loaded machine."""
-    return statistics.median(max(end for _, end in spans) - max(start for start, _ in spans)
-                             for spans in zip(*per_rank))
 
 
 def _check_all_reduces(results, world, link_):
     ratios = {}
     for key in results[0]["all_reduce"]:
-        measured = _slowest([r["all_reduce"][key] for r in results])
+        measured = span_seconds([r["all_reduce"][key] for r in results])
         ratios[key] = measured / _predicted_all_reduce(*key, world, link_)
     bad = {k: round(v, 3) for k, v in ratios.items() if abs(v - 1) > TOLERANCE}
     assert not bad, f"world {world}: measured / predicted off by more than 15 %: {bad}"
@@ -294,10 +274,10 @@ def _check_world_2():
     modeled = link_costs.all_reduce_time(MIB, 2, L)
     added = statistics.median(max(a) for a in zip(*(r["overlap"][0] for r in results)))
     assert added < 0.15 * modeled, f"an overlapped all-reduce added {added / modeled:.0%}"
-    two = _slowest([r["overlap"][1] for r in results]) / modeled
+    two = span_seconds([r["overlap"][1] for r in results]) / modeled
     assert 1.85 < two < 2.3, f"two all-reduces on one group took {two:.2f}× one"
     for name in results[0]["others"]:
-        measured = _slowest([r["others"][name][0] for r in results])
+        measured = span_seconds([r["others"][name][0] for r in results])
         ratio = measured / results[0]["others"][name][1]
         assert abs(ratio - 1) < TOLERANCE, f"{name}: measured / modeled = {ratio:.2f}"
     sent, received = results[0]["late"], results[1]["late"]
@@ -306,7 +286,7 @@ def _check_world_2():
     cpu = max(r["cpu"] for r in results)
     assert cpu < 0.3, f"a modeled wait used {cpu:.0%} of a core: it must sleep, not spin"
     assert [r["strict_sum"] for r in results] == [3.0, 3.0]  # the canary still moves the data
-    ratio = _slowest([r["strict"] for r in results]) / _predicted_all_reduce("ring", MIB, 2, L)
+    ratio = span_seconds([r["strict"] for r in results]) / _predicted_all_reduce("ring", MIB, 2, L)
     assert abs(ratio - 1) < TOLERANCE, f"ring under the strict canary: {ratio:.2f}× modeled"
 
 
@@ -317,6 +297,38 @@ def _check_world_4():
     assert results[0]["names"] == {"tp": "fast", "dp": "slow", "dp_cp": "slow", "pp": "test",
                                    "world": "test"}
     for axis, one in (("tp", tp), ("dp", dp)):
-        ratio = _slowest([r[axis] for r in results]) / link_costs.all_reduce_time(256 * KIB, 2,
+        ratio = span_seconds([r[axis] for r in results]) / link_costs.all_reduce_time(256 * KIB, 2,
                                                                                    one)
         assert abs(ratio - 1) < TOLERANCE, f"{axis} group: measured / modeled = {ratio:.2f}"
+
+
+# --------------------------------------------------------------------------- a link entered late
+SLOW = Link(alpha=0.1, bandwidth=1e9, name="slow")  # 0.1 s a message: unmistakable
+
+
+def _zero_step_under_a_late_link(stage):
+    """One ZeRO step of ``stage`` with a link entered *after* minitrain.zero was imported (as
+    ``use_link`` in a notebook cell or a link installed under torchrun): (seconds, collectives
+    the step issued under it)."""
+    from minitrain.zero import ZeroDataParallel
+
+    torch.manual_seed(0)
+    zdp = ZeroDataParallel(torch.nn.Linear(8, 8), torch.optim.SGD, stage, lr=0.1)
+
+    def step():
+        zdp(torch.ones(4, 8)).sum().backward()
+        zdp.step()
+        zdp.zero_grad()
+
+    step()
+    with use_link(SLOW):
+        return timed_spans(step, reps=1)
+
+
+def test_zero_collectives_see_a_link_entered_after_import():
+    """ZeRO used to bind torch's reduce-scatter and all-gather when imported: a link entered
+    later never saw them, and every ZeRO step ran on the CPU's free "network". Each stage's step
+    issues at least one reduce-scatter and one all-gather, 2 × α at world 2 at the least."""
+    for stage in (2, 3):
+        spans = launch(_zero_step_under_a_late_link, 2, stage)
+        assert span_seconds(spans) >= 2 * SLOW.alpha, (stage, spans)

@@ -25,34 +25,13 @@ import statistics
 import time
 
 from minitrain.bench import bench_parser, print_table
+from minitrain.runtime.timing import span_seconds, timed_spans
 
 KIB, MIB = 1024, 1024 * 1024
 SIZES = [4 * KIB * 4**i for i in range(7)]  # 4 KiB, 16 KiB, ..., 16 MiB
 QUICK_SIZES = [4 * KIB, MIB, 16 * MIB]
 ALGORITHMS = ("torch", "ring", "naive", "recursive_doubling")
 TARGET = 0.15
-
-
-def _spans(fn, reps):
-    """Per repetition, (start, end) of ``fn()`` on this rank after a barrier, on CLOCK_MONOTONIC
-    (shared by the processes of one machine); one warm-up first."""
-    import torch.distributed as dist
-
-    fn()
-    out = []
-    for _ in range(reps):
-        dist.barrier()
-        start = time.monotonic()
-        fn()
-        out.append((start, time.monotonic()))
-    return out
-
-
-def span_seconds(per_rank) -> float:
-    """Median over repetitions of last rank's start → last rank's end (an operation cannot start
-    before its last rank calls it)."""
-    return statistics.median(max(e for _, e in spans) - max(s for s, _ in spans)
-                             for spans in zip(*per_rank))
 
 
 def _rank(sizes, reps):
@@ -73,7 +52,7 @@ def _rank(sizes, reps):
         for a in ALGORITHMS:
             fn = (lambda x=x: dist.all_reduce(x)) if a == "torch" else (
                 lambda x=x, a=a: collectives.all_reduce(x, a))
-            out["all_reduce"][a, n] = _spans(fn, reps)
+            out["all_reduce"][a, n] = timed_spans(fn, reps)
     full, shard = torch.ones(MIB // 4), torch.ones(MIB // 4 // N)
     others = {
         "reduce_scatter_tensor": (lambda: dist.reduce_scatter_tensor(shard, full),
@@ -91,7 +70,7 @@ def _rank(sizes, reps):
             dist.recv(full, 0), dist.send(full, 0)) if r == 1 else None,
         2 * link_costs.p2p_time(MIB, link))
     for name, (fn, modeled) in others.items():
-        spans = _spans(fn, reps)
+        spans = timed_spans(fn, reps)
         out["others"][name] = (None if "send" in name and r >= 2 else spans, modeled)
     modeled = link_costs.all_reduce_time(MIB, N, link)
     added, two = [], []

@@ -92,8 +92,10 @@ def _passing_through() -> bool:
     return _resolve is None or getattr(_local, "depth", 0) > 0
 
 
-def _collective(name):
-    kind, formula_bytes = COLLECTIVES[name]
+def _modeled(name, model):
+    """torch's ``name`` wrapped: passed through while no link is on (or inside another wrapped
+    call, or for a group the link does not cover); else ``model(arguments, plan, call)``, where
+    ``call()`` runs torch's function once."""
     signature = inspect.signature(getattr(c10d, name))
 
     def wrapper(*args, **kwargs):
@@ -103,30 +105,32 @@ def _collective(name):
         plan = _plan(a.get("group"))
         if plan is None:
             return _call(name, args, kwargs)
+        return model(a, plan, lambda: _call(name, args, kwargs))
+
+    return functools.wraps(getattr(c10d, name))(wrapper)
+
+
+def _collective(name):
+    kind, formula_bytes = COLLECTIVES[name]
+
+    def model(a, plan, call):
         group, link, size = plan
         n = formula_bytes(a, size, dist.get_rank(group))
         finish = reserve(group, ("out", "in"), link_costs.collective_time(kind, n, size, link))
-        result = _call(name, args, kwargs)
+        result = call()
         if a.get("async_op"):
             return None if result is None else ModeledWork(result, [finish], None)
         sleep_until(finish)
         return result
 
-    return functools.wraps(getattr(c10d, name))(wrapper)
+    return _modeled(name, model)
 
 
 def _point_to_point(name):
-    signature, sending, blocking = inspect.signature(getattr(c10d, name)), "send" in name, \
-        name in ("send", "recv")
+    sending, blocking = "send" in name, name in ("send", "recv")
     peer_keys = ("dst", "group_dst") if sending else ("src", "group_src")
 
-    def wrapper(*args, **kwargs):
-        if _passing_through():
-            return _previous[name](*args, **kwargs)
-        a = signature.bind(*args, **kwargs).arguments
-        plan = _plan(a.get("group"))
-        if plan is None:
-            return _call(name, args, kwargs)
+    def model(a, plan, call):
         group, link, _ = plan
         tensor, tag = a["tensor"], a.get("tag", 0)
         peer, group_peer = a.get(peer_keys[0]), a.get(peer_keys[1])
@@ -134,7 +138,7 @@ def _point_to_point(name):
             peer = dist.get_global_rank(group, group_peer)
         part = (link_messages.send(group, link, tensor, peer, tag) if sending
                 else Receive(group, link, tensor, peer, tag))
-        result = _call(name, args, kwargs)
+        result = call()
         if not blocking:
             return None if result is None else ModeledWork(result, [part], [tensor])
         if not sending and part.channel is None:  # from any source: the sender is known now
@@ -142,7 +146,7 @@ def _point_to_point(name):
         sleep_until(link_messages.finish_of([part]))
         return result
 
-    return functools.wraps(getattr(c10d, name))(wrapper)
+    return _modeled(name, model)
 
 
 def _batch_isend_irecv(p2p_op_list):

@@ -85,3 +85,25 @@ def slowest_rank_seconds(fn, *args, device="cpu", group=None) -> tuple[float, ob
     elapsed = torch.tensor(device_clock(device) - start, dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
     return elapsed.item(), result
+
+
+def timed_spans(fn, reps: int = 5) -> list[tuple[float, float]]:
+    """Per repetition, when this rank started and finished ``fn()`` after a barrier (one warm-up
+    first), on CLOCK_MONOTONIC, which the processes of one machine share: the raw material of
+    ``span_seconds`` (the modeled link's benchmark and tests)."""
+    fn()
+    spans = []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.monotonic()
+        fn()
+        spans.append((start, time.monotonic()))
+    return spans
+
+
+def span_seconds(per_rank: list[list[tuple[float, float]]]) -> float:
+    """The median over repetitions of the last rank's start → the last rank's end: an operation
+    cannot start before its last rank calls it, and a barrier lets ranks go milliseconds apart
+    on a loaded machine."""
+    return statistics.median(max(end for _, end in spans) - max(start for start, _ in spans)
+                             for spans in zip(*per_rank))

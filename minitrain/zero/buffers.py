@@ -14,9 +14,20 @@ import torch.distributed as dist
 
 from minitrain.runtime import trace
 
-# torch 2.13 renamed the tensor collectives; older versions only have the second names
-reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# torch 2.13 renamed the tensor collectives (older versions have only the second names); looked
+# up at each call, so a wrapper installed after this import (the modeled link of
+# minitrain.runtime.link, the strict canary, a test counting collectives) sees every call
+def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    """Reduce-scatter ``input`` (N equal slices) into ``output`` (this rank's slice)."""
+    collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return collective(output, input, op=op, group=group, async_op=async_op)
+
+
+def all_gather_tensor(output_tensor, input_tensor, group=None, async_op=False):
+    """All-gather every rank's ``input_tensor`` (one slice) into ``output_tensor``."""
+    collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return collective(output_tensor, input_tensor, group=group, async_op=async_op)
 
 
 class FlatUnit:
