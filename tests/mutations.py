@@ -295,7 +295,7 @@ MUTATIONS = [
     ),
     Mutation(
         "flash: causal tile skip off by one",
-        "minitrain/flash_attention/tiles.py",
+        "minitrain/flash_attention/tile_grid.py",
         "        if causal and j0 > i1 - 1:\n",
         "        if causal and j0 >= i1 - 1:\n",
         [

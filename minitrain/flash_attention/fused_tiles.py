@@ -30,7 +30,7 @@ import math
 
 import torch
 
-from minitrain.flash_attention.tiles import blocks, causal_mask, visible_key_blocks
+from minitrain.flash_attention.tile_grid import blocks, causal_mask, visible_key_blocks
 
 
 def _as_batches(qg, kg, vg, groups: int):

@@ -11,7 +11,7 @@ code records as it runs (``tiles.TileLog``). Counts are in elements, per (batch,
 
 from __future__ import annotations
 
-from minitrain.flash_attention.tiles import blocks
+from minitrain.flash_attention.tile_grid import blocks
 
 
 def naive_io(n: int, d: int) -> dict:

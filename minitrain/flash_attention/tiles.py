@@ -33,6 +33,14 @@ import math
 
 import torch
 
+# the tile grid lives in its own module so the fused path (fused_tiles.py) shares it without
+# importing this one; re-exported here, where the exercises and the widget find it
+from minitrain.flash_attention.tile_grid import blocks, causal_mask, visible_key_blocks
+
+__all__ = ["BLOCK_K", "BLOCK_Q", "TileLog", "blocks", "causal_mask", "visible_key_blocks",
+           "tile_matmul", "online_softmax_update", "forward_query_block", "block_backward",
+           "group_heads", "flash_attention_forward", "flash_attention_backward"]
+
 BLOCK_Q = 128  # query rows per tile (B_r in the paper)
 BLOCK_K = 128  # key rows per tile (B_c)
 
@@ -52,37 +60,6 @@ class TileLog:
 
     def write(self, *tensors):
         self.writes += sum(t.numel() for t in tensors)
-
-
-def blocks(n: int, size: int):
-    """(start, end) of consecutive blocks of ``size`` rows covering 0..n (the last one short)."""
-    return [(s, min(s + size, n)) for s in range(0, n, size)]
-
-
-def causal_mask(i0: int, i1: int, j0: int, j1: int, device=None):
-    """Boolean (i1-i0, j1-j0) tile mask, True where key j is in the future of query i
-    (j > i), or None when the tile is fully visible (j1 - 1 <= i0)."""
-    if j1 - 1 <= i0:
-        return None
-    rows = torch.arange(i0, i1, device=device)[:, None]
-    return torch.arange(j0, j1, device=device)[None, :] > rows
-
-
-def visible_key_blocks(i0: int, i1: int, k, block_k: int, causal: bool, log=None):
-    """Key blocks (j0, j1) of k (..., Nk, D) a query block [i0, i1) must visit. Causal: a
-    key block starting after the block's last query (j0 > i1 - 1) is fully masked and
-    skipped — its FLOPs never spent. ``log`` records each visited tile's K_j, V_j reads."""
-    visit = []
-    for j0, j1 in blocks(k.shape[-2], block_k):
-        if causal and j0 > i1 - 1:
-            if log is not None:
-                log.skipped += 1
-            continue
-        visit.append((j0, j1))
-        if log is not None:
-            log.tiles += 1
-            log.reads += 2 * k[..., j0:j1, :].numel()  # K_j and V_j (same shape)
-    return visit
 
 
 def tile_matmul(a, b, acc_dtype):
@@ -228,7 +205,9 @@ def flash_attention_forward(q, k, v, causal: bool = False, block_q: int = BLOCK_
     qg, kg, vg, groups = group_heads(q, k, v)
     acc = torch.promote_types(q.dtype, torch.float32)  # bf16/fp16 -> fp32, fp64 stays fp64
     if _fused(acc, q, k, v):  # the same tiles with fewer ops each (fused_tiles.py)
-        from minitrain.flash_attention.fused_tiles import fused_forward  # it imports this module
+        # imported here, not above: the exercises' generated imports list this module's, and
+        # the fused tiles are not a helper for them
+        from minitrain.flash_attention.fused_tiles import fused_forward
 
         out, lse = fused_forward(qg, kg, vg, groups, causal, block_q, block_k, log)
         return out.reshape(q.shape), lse.reshape(q.shape[:-1])
@@ -261,7 +240,7 @@ def flash_attention_backward(q, k, v, out, lse, grad_out, causal: bool = False,
     do, o = grad_out.reshape(qg.shape), out.reshape(qg.shape)
     lse = lse.reshape(qg.shape[:-1]).to(acc)
     if _fused(acc, q, k, v, grad_out, out):  # the same tiles with fewer ops each
-        from minitrain.flash_attention.fused_tiles import fused_backward  # it imports this module
+        from minitrain.flash_attention.fused_tiles import fused_backward  # (see the forward)
 
         dq, dk, dv = fused_backward(qg, kg, vg, do, o, lse, groups, causal, block_q, block_k, log)
         return dq.reshape(q.shape), dk.view(k.shape), dv.view(v.shape)
