@@ -18,6 +18,7 @@ from torch import nn
 from minitrain.dropout import DropoutKeys, DropoutSite, dropout_site
 from minitrain.memory.formulas import BYTES_PER_PARAMETER
 from minitrain.model import GPTConfig, lm_loss
+from minitrain.moe.apply import apply_moe
 from minitrain.runtime import device_clock
 
 
@@ -101,4 +102,4 @@ def accumulate_gradients(model, micro_batches, loss_fn=None) -> float:
     # HINT: count the targets first (targets.numel()), then backward each scaled loss
     raise NotImplementedError("exercise: write accumulate_gradients (see its docstring)")
 
-# minitrain-exercises-hash: db05a6dfb17a4089
+# minitrain-exercises-hash: 5b26ff5cf5620e9d

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from minitrain.dropout import DropoutKeys, DropoutSite, dropout_site
+from minitrain.moe.apply import apply_moe
 
 
 @dataclass
@@ -233,8 +234,6 @@ class GPT(nn.Module):
             self.head.weight = self.tok_emb.weight
         self.apply(self._init_weights)
         if config.moe_experts:  # chapter 8's layers in place of the MLPs, not re-implemented
-            from minitrain.moe.apply import apply_moe  # here: minitrain.moe imports this module
-
             apply_moe(self, config.moe_experts, config.moe_top_k, config.moe_capacity_factor,
                       seed=None, aux_loss_weight=config.moe_aux_weight)
         # Extension points: plain attributes later chapters set.

@@ -14,6 +14,7 @@ from torch import nn
 from minitrain.dropout import DropoutKeys, DropoutSite, dropout_site
 from minitrain.memory.formulas import BYTES_PER_PARAMETER
 from minitrain.model import GPTConfig, lm_loss
+from minitrain.moe.apply import apply_moe
 from minitrain.runtime import device_clock
 
 
@@ -142,4 +143,4 @@ def accumulate_gradients(model, micro_batches, loss_fn=None) -> float:
     return mean_loss
     ### END SOLUTION
 
-# minitrain-exercises-hash: 19e87e20d371be50
+# minitrain-exercises-hash: a0d182ce176bc07a

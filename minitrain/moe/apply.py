@@ -14,13 +14,17 @@ layer leaves it on the residual.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from minitrain.model import GPT
 from minitrain.moe.layer import MoELayer
+
+if TYPE_CHECKING:  # annotations only: minitrain.model builds its MoE layers through this module
+    from minitrain.model import GPT
 
 
 def apply_moe(model: GPT, num_experts: int, top_k: int = 1,
