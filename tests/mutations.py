@@ -1711,8 +1711,8 @@ MUTATIONS = [
     Mutation(
         "issue 41: launch no longer hands MINITRAIN_P2P=strict to its ranks",
         "minitrain/runtime/launch.py",
-        "list(_rank_initializers) + strict_p2p_initializers(timeout)",
-        "list(_rank_initializers)",
+        "registered_initializers() + strict_p2p_initializers(timeout)",
+        "registered_initializers()",
         ["tests/test_strict_p2p.py::test_irecv_then_isend_fails_bounded_and_named_under_the_canary"],
     ),
     Mutation(

@@ -58,6 +58,10 @@ from minitrain.runtime.rank import (  # noqa: F401 — part of this module's API
     rank_main,
     running_under_torchrun,
 )
+from minitrain.runtime.rank_initializers import (  # noqa: F401 — add_rank_initializer: API too
+    add_rank_initializer,
+    registered_initializers,
+)
 
 # stop signals, and the forkserver started and stopped around them: stopping.py
 from minitrain.runtime.stopping import (  # noqa: F401 — Interrupted is part of the API
@@ -91,29 +95,6 @@ class RankResults(list):
 
 # --------------------------------------------------------------------------- the parent side
 _context = None
-_rank_initializers: list = []
-
-
-def add_rank_initializer(fn):
-    """Run ``fn()`` in every rank that ``launch`` starts from now on, before the rank's own
-    function is unpickled; return a function that removes it again.
-
-    Ranks come from a forkserver started earlier, so they do not see changes made in this
-    process since (a monkeypatch, a function swapped in): a tool that makes such a change
-    registers how to make it again here. The course's grader uses it to put a learner's
-    functions into every rank; ``fn`` travels by cloudpickle, like the rank function.
-    """
-    if not callable(fn):
-        raise TypeError(f"add_rank_initializer: fn must be callable, got {type(fn).__name__}")
-    _rank_initializers.append(fn)
-
-    def remove():
-        if fn in _rank_initializers:
-            _rank_initializers.remove(fn)
-
-    return remove
-
-
 def _forkserver():
     global _context
     if _context is None:
@@ -173,7 +154,7 @@ def launch(
 
     # MINITRAIN_P2P=strict and MINITRAIN_LINK, read now: ranks come from a forkserver started
     # before (strict_p2p.py, link.py); the link last, so that it wraps the canary
-    initializers = cloudpickle.dumps(list(_rank_initializers) + strict_p2p_initializers(timeout)
+    initializers = cloudpickle.dumps(registered_initializers() + strict_p2p_initializers(timeout)
                                      + link_initializers(link))
     threads = max(1, (os.cpu_count() or 1) // world_size)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: no DNS, no real NIC
