@@ -281,8 +281,7 @@ def parallelize(model: GPT, mesh: DeviceMesh, layout: dict, lr: float = 1e-3,
     loss_fn = lm_loss
     if lo["tp"] > 1:  # with SP and CP, SP cuts this CP rank's shard further (Megatron-Core)
         apply_tensor_parallel(model, tp_group, lo["sequence_parallel"], seed=seed)
-        # this rank holds a vocabulary slice of the logits
-        loss_fn = functools.partial(vocab_parallel_cross_entropy, group=tp_group)
+        loss_fn = functools.partial(vocab_parallel_cross_entropy, group=tp_group)  # vocab slice
     context = apply_context_parallel(model, mesh.group("cp")) if lo["cp"] > 1 else None
     experts = apply_expert_parallel(model, mesh, lo["ep"]) if config.moe_experts else None
     recompute = "full" if lo["checkpointing"] == "full" else None
@@ -290,9 +289,8 @@ def parallelize(model: GPT, mesh: DeviceMesh, layout: dict, lr: float = 1e-3,
     if recompute and stage is None:  # chapter 3: every block recomputed in backward
         set_checkpointing(model, recompute)
     loss_fn, scaler = apply_precision(model, loss_fn, lo["precision"])
-    wrapped, optimizer = apply_data_parallel(model, dp_group, lo["zero"],
-                                             OPTIMIZERS[lo["optimizer"]], lr, stage,
-                                             PRECISIONS[lo["precision"]],
+    wrapped, optimizer = apply_data_parallel(model, dp_group, lo["zero"], OPTIMIZERS[lo["optimizer"]],
+                                             lr, stage, PRECISIONS[lo["precision"]],
                                              experts.params if experts else ())
     if experts is not None and isinstance(optimizer, MasterWeightOptimizer):
         experts.deliver_to(optimizer)  # the experts' averages to their fp32 masters
