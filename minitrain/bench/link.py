@@ -41,19 +41,19 @@ def _rank(sizes, reps):
     import torch.distributed as dist
 
     from minitrain import collectives
-    from minitrain.runtime import link_costs
+    from minitrain.runtime import get_device, link_costs
     from minitrain.runtime.link import link_of
 
     warnings.simplefilter("ignore", FutureWarning)  # all_gather_into_tensor's new name
-    link, N = link_of(), dist.get_world_size()
+    link, N, device = link_of(), dist.get_world_size(), get_device()
     out = {"all_reduce": {}, "others": {}}
     for n in sizes:
-        x = torch.ones(n // 4)
+        x = torch.ones(n // 4, device=device)
         for a in ALGORITHMS:
             fn = (lambda x=x: dist.all_reduce(x)) if a == "torch" else (
                 lambda x=x, a=a: collectives.all_reduce(x, a))
             out["all_reduce"][a, n] = timed_spans(fn, reps)
-    full, shard = torch.ones(MIB // 4), torch.ones(MIB // 4 // N)
+    full, shard = torch.ones(MIB // 4, device=device), torch.ones(MIB // 4 // N, device=device)
     others = {
         "reduce_scatter_tensor": (lambda: dist.reduce_scatter_tensor(shard, full),
                                   link_costs.reduce_scatter_time(MIB, N, link)),
@@ -74,7 +74,7 @@ def _rank(sizes, reps):
         out["others"][name] = (None if "send" in name and r >= 2 else spans, modeled)
     modeled = link_costs.all_reduce_time(MIB, N, link)
     added, two = [], []
-    y = torch.ones(MIB // 4)
+    y = torch.ones(MIB // 4, device=device)
     for _ in range(reps):
         dist.barrier()
         start = time.monotonic()
