@@ -28,12 +28,12 @@ class ZeroDataParallel:
     # Only the method with the bug; the rest of the class is in minitrain.zero.data_parallel.
 
     def _scaled_step(self):
-        """Dynamic loss scaling over shards (Micikevicius et al. 2018, §3.2): each rank sees
-        only its slice of the gradients, so an overflow may show on one rank alone. The
-        verdict is all-reduced first, so every rank skips, or steps, and updates S alike."""
+        """Dynamic loss scaling over shards (skipping: Micikevicius et al. 2018, §3.2; growing and
+        backing off: NVIDIA Apex, as GradScaler): a rank sees its slice of the gradients only, so
+        an overflow may show on one rank alone. The verdict is all-reduced first: all skip or step."""
         scaler = self.loss_scaler
         scaler.unscale_(self.optimizer)  # this rank's fp32 shard gradients ÷ S, its inf check
         scaler.step(self.optimizer)  # skipped on every rank, or taken on every rank
         scaler.update()
 
-# minitrain-exercises-hash: c3a95d702e5a88ef
+# minitrain-exercises-hash: 5cfacbab4243a332

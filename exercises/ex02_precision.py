@@ -15,6 +15,7 @@ import torch.distributed as dist
 from dataclasses import dataclass
 from torch import nn
 from torch.distributed import ProcessGroup
+from minitrain.model import lm_loss
 from minitrain.runtime import get_device
 
 
@@ -57,7 +58,7 @@ class DynamicLossScaler:
     # Only the methods you write; the rest of the class is in minitrain.precision.loss_scaling.
 
     def update(self) -> None:
-        """Adapt S after the iteration (Micikevicius et al. 2018, section 3.2).
+        """Adapt S after the iteration (dynamic loss scaling, torch.amp.GradScaler's rule).
 
         If any optimizer saw inf/NaN: S = S * backoff_factor and the growth tracker restarts
         at 0. Otherwise the tracker counts one more clean step; when it reaches
@@ -87,4 +88,4 @@ class MasterWeightOptimizer:
         # HINT: self.optimizer, self.model_params, self.master_params; use torch.no_grad()
         raise NotImplementedError("exercise: write MasterWeightOptimizer.step (see its docstring)")
 
-# minitrain-exercises-hash: b06e02a720ecbc37
+# minitrain-exercises-hash: cc381d805fdfda86

@@ -5,11 +5,16 @@ Used by notebooks/01_single_device_training.ipynb and the chapters that train af
 - Batch sizes: global batch = micro-batch x gradient-accumulation steps x data-parallel
   ranks (GBS = MBS x GA x DP). A rank runs GA micro-batches of MBS sequences through
   forward and backward, letting ``.grad`` sum, then steps once.
-- Cost: a dense transformer spends 6N + 12 L h s FLOPs per token in forward + backward
-  (Kaplan et al. 2020 section 2.1; Chowdhery et al. 2022 "PaLM", appendix B): 2 FLOPs
-  per multiply-add for each of the N matrix weights forward, twice that backward, plus
-  the attention scores and their weighted sum. Model FLOPs utilisation (MFU) is the
-  achieved FLOP rate over the hardware's peak.
+- Cost: a dense transformer spends 6N + 12 L h s FLOPs per token in forward + backward,
+  the form of Chowdhery et al. 2022 ("PaLM", appendix B): 2 FLOPs per multiply-add for
+  each of the N matrix weights forward, twice that backward, plus per layer the full
+  s x s attention scores q k^T and their weighted sum of v (2 s h each forward, so
+  3 x 4 s h = 12 s h per layer for the step). Kaplan et al. 2020 (Table 1) count
+  2N + 2 L s d_attn forward and 6N + 6 L s d_attn for a step: half the attention term,
+  what a causal kernel that skips the masked half of the scores computes. minitrain's
+  naive attention computes every score, masked ones included, so the PaLM form is what
+  torch's FlopCounterMode counts. Model FLOPs utilisation (MFU) is the achieved FLOP
+  rate over the hardware's peak.
 """
 
 from __future__ import annotations
@@ -121,11 +126,14 @@ def matmul_params(config: GPTConfig) -> int:
 
 
 def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> int:
-    """Training FLOPs per token: 6 N + 12 L h s (N = ``matmul_params``).
+    """Training FLOPs per token: 6 N + 12 L h s (N = ``matmul_params``; PaLM's appendix B).
 
     Forward: 2 N for the weight matmuls, and per layer 2 s h for q k^T and 2 s h for
-    probs @ v (naive attention computes all s x s scores, masked ones included).
-    Backward does each matmul twice (gradient of input and of weight): 2x forward.
+    probs @ v (naive attention computes all s x s scores, masked ones included; Kaplan et
+    al.'s Table 1 counts half of these two, 6 L s h for the step).
+    Backward does each matmul twice (gradient of input and of weight): 2x forward in
+    FLOPs. In time only where the matmuls dominate: on small matrices the elementwise
+    ops and per-op overheads weigh as much, and backward comes out below 2x.
     """
     s = seq_len or config.seq_len
     return 6 * matmul_params(config) + 12 * config.n_layer * config.d_model * s

@@ -55,15 +55,19 @@ def estimate_training_memory(num_params: int, precision: str = "fp32") -> dict:
 
     Returns a dict with keys weights, gradients, master, optimizer,
     gradient_accumulation and total (total = the sum of the others).
+    ``precision`` names a recipe (the three of Megatron-LM's distributed-optimizer guide):
     fp32: 4 (weights) + 4 (gradients) + 8 (Adam's two moments) = 16 bytes/parameter.
-    mixed (Micikevicius et al. 2018): 2 (bf16 weights) + 2 (bf16 gradients)
+    mixed_fp32_grads: 2 (16-bit weights) + 4 (fp32 gradients, Megatron's ``main_grad``)
+    + 4 (fp32 master weights) + 8 (fp32 moments) = 18 — what chapter 2's
+    MasterWeightOptimizer keeps.
+    mixed (Micikevicius et al. 2018): 2 (16-bit weights) + 2 (16-bit gradients)
     + 4 (fp32 master weights) + 8 (fp32 moments) + 4 (fp32 gradient accumulation) = 20.
-    So 1e9 parameters need 16e9 bytes in fp32, 20e9 mixed. "gradient_accumulation" is
-    the fp32 buffer mixed precision sums low-precision gradients into before the fp32
-    update; in fp32 the gradients are that buffer, so it is 0 there. Master weights are
-    0 in fp32 (the weights are already fp32). ``BYTES_PER_PARAMETER[precision]`` holds
-    these numbers (and those of the other recipes of chapter 2). Bad input raises
-    ValueError naming it.
+    So 1e9 parameters need 16e9 bytes in fp32, 18e9 or 20e9 mixed. "gradient_accumulation"
+    is the fp32 copy "mixed" sums its 16-bit gradients into before the fp32 update; where
+    the gradients are fp32 already they are that buffer, so it is 0. Master weights are 0
+    in fp32 (the weights are already fp32). ``BYTES_PER_PARAMETER[precision]`` holds these
+    numbers (and those of the other recipes of chapter 2). Bad input raises ValueError
+    naming it.
     """
     if isinstance(num_params, float) and num_params.is_integer():
         num_params = int(num_params)  # 7e9 is a fine way to write seven billion
@@ -143,4 +147,4 @@ def accumulate_gradients(model, micro_batches, loss_fn=None) -> float:
     return mean_loss
     ### END SOLUTION
 
-# minitrain-exercises-hash: a0d182ce176bc07a
+# minitrain-exercises-hash: f4db8d2674cf3b35

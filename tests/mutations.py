@@ -1897,6 +1897,185 @@ MUTATIONS = [
         "reduce_scatter_tensor = getattr(dist, \"reduce_scatter_single\", None) or dist.reduce_scatter_tensor\n",
         ["tests/test_link.py::test_zero_collectives_see_a_link_entered_after_import"],
     ),
+    # ch07_10_mutations.py
+    Mutation(
+        "issue 42: the calibrated-sleep stage's whole backward sleeps one unit, not two (the "
+        "chapter's cost convention is F = 1, a whole backward B + W = 2: step times of 1F1B and "
+        "ZB-H1 compared unequal work)",
+        "minitrain/pipeline/measure.py",
+        "model = SleepGPT(p * v, unit, unit if zb else 2 * unit, unit if zb else 0.0)",
+        "model = SleepGPT(p * v, unit, unit, unit if zb else 0.0)",
+        ["tests/test_ch07_link.py::test_sleep_stage_on_a_link_matches_the_prediction_and_the_convention"],
+    ),
+    Mutation(
+        "issue 42: run_pipelines predicts the non-split schedules with F = B = 1 (the old, "
+        "second convention) while the sleep stage and ZB-H1 use a whole backward of 2",
+        "minitrain/pipeline/measure.py",
+        'costs = UNIT if name == "zero_bubble" else WHOLE_BACKWARD',
+        'costs = UNIT if name == "zero_bubble" else {"F": 1, "B": 1}',
+        ["tests/test_ch07_link.py::test_sleep_stage_on_a_link_matches_the_prediction_and_the_convention"],
+    ),
+    Mutation(
+        "issue 42: predicted_step lets a rank's messages leave together (no queue on its link: "
+        "two activations sent back to back both arrive α + n/β after their own action)",
+        "minitrain/pipeline/measure.py",
+        "link_free[s] = arrive[key] = max(free[s], link_free[s]) + message_seconds",
+        "link_free[s] = arrive[key] = free[s] + message_seconds",
+        ["tests/test_ch07_link.py::test_messages_delay_the_receiver_and_queue_on_the_senders_link"],
+    ),
+    Mutation(
+        "issue 42: predicted_step charges no message between ranks (simulate's free "
+        "communication with real durations: the compute-only prediction)",
+        "minitrain/pipeline/measure.py",
+        "start = max([free[s]] + [arrive.get(d, finish[d]) for d in deps])",
+        "start = max([free[s]] + [finish[d] for d in deps])",
+        ["tests/test_ch07_link.py::test_messages_delay_the_receiver_and_queue_on_the_senders_link",
+         "tests/test_ch07_link.py::test_sleep_stage_on_a_link_matches_the_prediction_and_the_convention"],
+    ),
+    Mutation(
+        "issue 42: the overlap threshold counts one of K and V (n ≥ e·F/W: the link then puts "
+        "the real threshold at twice the printed one)",
+        "minitrain/context_parallel/measure.py",
+        "return bytes_per_element * flops_per_second / (2 * bandwidth)",
+        "return bytes_per_element * flops_per_second / bandwidth",
+        ["tests/test_ch10_link.py::test_threshold_formula",
+         "tests/test_ch10_link.py::test_exposed_below_the_threshold_hidden_above_as_the_notebook_measures"],
+    ),
+    Mutation(
+        "issue 42: measure_overlap's link is built with β = 4·e·F/(2n*) (the threshold falls at "
+        "n*/4: 128 tokens per rank no longer exposes its transfer, while the printed threshold "
+        "still says 512)",
+        "minitrain/context_parallel/measure.py",
+        'link = Link(t / 50, 4 * flops / (2 * threshold), "cp-threshold",',
+        'link = Link(t / 50, 4 * flops / (threshold / 2), "cp-threshold",',
+        ["tests/test_ch10_link.py::test_exposed_below_the_threshold_hidden_above_as_the_notebook_measures"],
+    ),
+    # ch11_mutations.py
+    Mutation(
+        "issue 42: planner: TP's collectives at the ends (embedding, head input, loss) not charged",
+        "minitrain/parallel/planner.py",
+        "        (per_layer * len(blocks) + (s == 0) + (s == lo.pp - 1)) * hidden\n"
+        "        + 3 * (s == lo.pp - 1) * loss for s, blocks in enumerate(stages))",
+        "        per_layer * len(blocks) * hidden for s, blocks in enumerate(stages))",
+        ["tests/test_planner_link.py::test_planner_charges_each_axis_what_the_trainer_sends_on_the_link"],
+    ),
+    Mutation(
+        "issue 42: planner: ring attention's last dK, dV hop home not charged (3(P-1) messages)",
+        "minitrain/parallel/planner.py",
+        "    out[\"cp\"] = (layers * lo.microbatches * (3 * lo.cp - 2) * (a + kv * beta_cp)",
+        "    out[\"cp\"] = (layers * lo.microbatches * (3 * lo.cp - 3) * (a + kv * beta_cp)",
+        ["tests/test_planner_link.py::test_planner_charges_each_axis_what_the_trainer_sends_on_the_link"],
+    ),
+    Mutation(
+        "issue 42: planner: CP passes every head's K, V on each TP rank (not this rank's heads)",
+        "minitrain/parallel/planner.py",
+        "    kv = 2 * act / lo.tp\n",
+        "    kv = 2 * act\n",
+        ["tests/test_planner_link.py::test_planner_charges_each_axis_what_the_trainer_sends_on_the_link"],
+    ),
+    Mutation(
+        "issue 42: planner: a two-stage pipeline's stages charged sends both ways",
+        "minitrain/parallel/planner.py",
+        "    out[\"pp\"] = (max(2 * lo.microbatches * hop * (lo.pp > 2),",
+        "    out[\"pp\"] = (max(2 * lo.microbatches * hop,",
+        ["tests/test_planner_link.py::test_planner_charges_each_axis_what_the_trainer_sends_on_the_link"],
+    ),
+    # ch03_08_09_mutations.py
+    Mutation(
+        "issue 43: FlashAttention tiles floor(M/4d) square, not Algorithm 1's (min(ceil(M/4d), d), ceil(M/4d))",
+        "minitrain/flash_attention/io_model.py",
+        "    b_c = -(-sram_elements // (4 * d))  # ceil, as the paper writes it\n"
+        "    return min(b_c, d), b_c\n",
+        "    b_c = sram_elements // (4 * d)\n"
+        "    return b_c, b_c\n",
+        ["tests/test_lessons_03_08_09.py::test_block_size_for_sram_is_algorithm_1_line_1",
+         "tests/test_flash_attention.py::test_io_follows_theorem_2"],
+    ),
+    Mutation(
+        "issue 43: the score tile is not capped: B_r = ceil(M/4d) like B_c",
+        "minitrain/flash_attention/io_model.py",
+        "    return min(b_c, d), b_c\n",
+        "    return b_c, b_c\n",
+        ["tests/test_lessons_03_08_09.py::test_block_size_for_sram_keeps_the_score_tile_small",
+         "tests/test_flash_attention.py::test_io_follows_theorem_2"],
+    ),
+    Mutation(
+        "issue 43: tiled_io_for_sram counts minitrain's FA2 loop order as if it were Algorithm 1",
+        "minitrain/flash_attention/io_model.py",
+        "    if order == \"fa1\":\n        return algorithm1_io(n, n, d, b_r, b_c, causal)\n",
+        "    if order == \"fa1\":\n        return tiled_io(n, n, d, b_r, b_c, causal)\n",
+        ["tests/test_lessons_03_08_09.py::test_tiled_io_for_sram_uses_algorithm_1_tiles",
+         "tests/test_flash_attention.py::test_io_follows_theorem_2"],
+    ),
+    Mutation(
+        "issue 43: Algorithm 1's count forgets that O_i is read back per key block",
+        "minitrain/flash_attention/io_model.py",
+        "                reads += (i1 - i0) * (2 * d + 2)\n",
+        "                reads += (i1 - i0) * (d + 2)\n",
+        ["tests/test_lessons_03_08_09.py::test_algorithm1_io_counts_key_blocks_outside",
+         "tests/test_flash_attention.py::test_io_follows_theorem_2"],
+    ),
+    # ch04_mutations.py
+    Mutation(
+        "ch04: link_for_overlap forgets the ring's 2(N-1)/N (one all-reduce != backward at world 4)",
+        "minitrain/collectives/cost_model.py",
+        "    bandwidth = steps / world * gradient_bytes / (backward - steps * alpha)\n",
+        "    bandwidth = gradient_bytes / (backward - steps * alpha)\n",
+        ["tests/test_ch04_link.py::test_link_for_overlap_makes_one_all_reduce_as_long_as_backward"],
+    ),
+    Mutation(
+        "ch04: modeled_step does not queue the all-reduces (many small buckets look free)",
+        "minitrain/collectives/cost_model.py",
+        "        free = max(ready, free) + all_reduce_time(n, world, link)\n",
+        "        free = max(ready + all_reduce_time(n, world, link), free)\n",
+        ["tests/test_ch04_link.py::test_modeled_step_trades_bucket_count_times_alpha_against_overlap"],
+    ),
+    Mutation(
+        "ch04: the trace's prediction does not queue a bucket behind the one before",
+        "minitrain/ddp/measure.py",
+        "        free = max(start, free) + all_reduce_time(bucket_bytes[int(name.split()[-1])], world, link)\n",
+        "        free = max(free, start + all_reduce_time(bucket_bytes[int(name.split()[-1])], world, link))\n",
+        ["tests/test_ch04_link.py::test_exposed_after_backward_queues_the_launches_on_the_link"],
+    ),
+    Mutation(
+        "ch04: the trace's predicted gain is reference minus variant the wrong way round",
+        "minitrain/ddp/measure.py",
+        "    return statistics.median(a - b for a, b in zip(per_step(reference), per_step(variant)))\n",
+        "    return statistics.median(b - a for a, b in zip(per_step(reference), per_step(variant)))\n",
+        ["tests/test_ch04_link.py::test_exposed_after_backward_queues_the_launches_on_the_link",
+         "tests/test_ch04_link.py::test_overlap_verdict_reads_the_three_checks"],
+    ),
+    Mutation(
+        "ch04: overlap_verdict takes the gain from the traced prediction (a tautology)",
+        "minitrain/bench/ddp.py",
+        "    gain = statistics.median(a - b for a, b in zip(slowest[FLAT], slowest[BUCKETED]))\n",
+        "    gain = predicted_gain(result, FLAT, BUCKETED)\n",
+        ["tests/test_ch04_link.py::test_overlap_verdict_reads_the_three_checks"],
+    ),
+    Mutation(
+        "ch04: the widget's link selector does not switch the sweep shown",
+        "minitrain/widgets/ch04_ddp.py",
+        "        chosen = sweeps[chooser.value]\n",
+        "        chosen = next(iter(sweeps.values()))\n",
+        ["tests/test_widgets_ch04.py::test_link_selector_switches_sweeps_and_shows_the_model"],
+    ),
+    # ch01_02_mutations.py
+    Mutation(
+        "issue 43: fp32_lm_loss takes the cross-entropy of the fp16 logits (S <= 2^15 again)",
+        "minitrain/precision/loss_scaling.py",
+        "    return lm_loss(logits.float(), targets)\n",
+        "    return lm_loss(logits, targets)\n",
+        ["tests/test_lessons_01_02.py::test_fp32_lm_loss_is_fp32_and_equals_the_loss_of_the_cast_logits",
+         "tests/test_lessons_01_02.py::test_fp32_loss_scaler_at_gradscalers_default_start_is_clean"],
+    ),
+    Mutation(
+        "issue 43: mixed_fp32_grads counts 16-bit gradients (16 bytes, not Megatron's 18)",
+        "minitrain/memory/formulas.py",
+        '    "mixed_fp32_grads": {"weights": 2, "gradients": 4, "master": 4, "optimizer": 8,\n',
+        '    "mixed_fp32_grads": {"weights": 2, "gradients": 2, "master": 4, "optimizer": 8,\n',
+        ["tests/test_lessons_01_02.py::test_estimate_training_memory_recipes",
+         "tests/test_lessons_01_02.py::test_master_weight_optimizer_keeps_the_18_byte_recipe"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

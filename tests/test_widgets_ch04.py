@@ -44,12 +44,36 @@ def test_compute_bucket_view():
 
 def test_widget_updates_headlessly():
     box = build_bucket_widget(_sweep())
-    slider, summary, image = box.children
+    chooser, slider, summary, curve, image = box.children
+    assert chooser.layout.display == "none"  # one link (or none): nothing to choose
     before = (summary.value, bytes(image.value))
-    assert "12.0 ms" in before[0] and len(before[1]) > 1000
+    assert "12.0 ms" in before[0] and len(before[1]) > 1000 and len(bytes(curve.value)) > 1000
+    assert "model" not in before[0]  # measured without a link: no modeled step
     slider.value = math.inf
     assert "14.0 ms" in summary.value and "1</b> buckets" in summary.value
     assert bytes(image.value) != before[1]
+
+
+def _linked_sweep(model_ms):
+    sweep = _sweep()
+    sweep["model_step"] = {cap: ms / 1e3 for cap, ms in zip(sweep["caps"], model_ms)}
+    return sweep
+
+
+def test_link_selector_switches_sweeps_and_shows_the_model():
+    from minitrain.widgets.ch04_ddp import best_caps
+
+    low, high = _linked_sweep([11.0, 15.0]), _linked_sweep([20.0, 16.0])
+    assert best_caps(low) == (1.0, 1.0) and best_caps(high) == (1.0, math.inf)
+    assert best_caps(_sweep()) == (1.0, None)
+    box = build_bucket_widget({"links": {"low α": low, "high α": high}})
+    chooser, slider, summary, curve, image = box.children
+    assert list(chooser.options) == ["low α", "high α"] and chooser.layout.display == ""
+    assert "α–β model: 11.0 ms" in summary.value
+    before = bytes(curve.value)
+    chooser.value = "high α"
+    assert "α–β model: 20.0 ms" in summary.value and bytes(curve.value) != before
+    assert compute_bucket_view(high, math.inf)["model_ms"] == pytest.approx(16.0)
 
 
 def test_hidden_share_is_the_median_over_steps():

@@ -54,7 +54,7 @@ def test_io_view_recorded_equals_formula_and_shrinks_with_the_tile():
     small, large = compute_io_view(32, 4, 2), compute_io_view(32, 4, 16)
     for view in (small, large):
         assert view["recorded"] == view["formula"]
-    assert large["formula"] < small["formula"] and large["sram_elements"] == 4 * 16 * 4
+    assert large["formula"] < small["formula"] and large["sram_elements"] == 4 * 16 * 4 + 16 * 16
 
 
 def test_widget_redraws_when_the_sliders_move(trace):

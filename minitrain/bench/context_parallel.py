@@ -11,6 +11,12 @@ formula (forward (P−1)·2 blocks, backward (P−1)·2 + P·2) and the bytes sa
 next to the formula; then the saved bytes for P = 1, 2, 4 (linear in N/P), and the share of
 each rank's compute time during which a send/recv was in flight (from the trace).
 
+Last, the overlap threshold on a modeled link (``measure.measure_overlap``): P = 2, forward, not
+causal, the link's bandwidth W chosen so that e·F/(2W) = 512 tokens per rank (F this machine's
+attention rate, measured first); at 64 and 128 tokens per rank the K, V transfer must be
+exposed (the rank waits at least a third of it), at 1,024 and 1,536 hidden; the wait is
+printed next to the prediction max(0, transfer − compute).
+
 What to expect: contiguous gives the last rank about P times the first rank's causal work
 (its queries see every earlier key); zigzag gives every rank the same (max/min ≈ 1).
 """
@@ -18,7 +24,8 @@ What to expect: contiguous gives the last rank about P times the first rank's ca
 from __future__ import annotations
 
 from minitrain.bench import bench_parser
-from minitrain.context_parallel.measure import measure_ring, overlap_summary
+from minitrain.context_parallel.measure import measure_overlap, measure_ring, overlap_summary
+from minitrain.runtime.link import describe
 
 
 def _row(label, values, fmt="{:,}"):
@@ -67,7 +74,24 @@ def main(argv=None) -> int:
         m = measure_ring(seq_len=n, world_size=p, repeats=1, timeout=600, **shape)
         print(f"  P = {p}: N/P = {n // p:>5}, saved {m['saved_bytes'][0]:>10,} bytes "
               f"(formula {m['formula_saved_bytes']:,}), per token {m['saved_bytes'][0] / (n // p):.0f}")
+    all_ok &= _overlap()
     return 0 if all_ok else 1
+
+
+def _overlap() -> bool:
+    result = measure_overlap(sizes=(64, 128, 1024, 1536), threshold=512)
+    print(f"\noverlap threshold on a modeled link, P = 2, forward, not causal, batch·heads = 8, d = 64"
+          f"\n  {describe(result['link'])}\n  predicted threshold e·F/(2W) = "
+          f"{result['threshold']:.0f} tokens per rank")
+    print(f"  {'n':>6}{'transfer ms':>13}{'compute ms':>12}{'waited ms':>11}{'predicted ms':>14}"
+          f"{'hidden':>8}")
+    for n, row in result["sizes"].items():
+        print(f"  {n:>6}{1e3 * row['transfer']:>13.1f}{1e3 * row['compute']:>12.1f}"
+              f"{1e3 * row['exposed']:>11.1f}{1e3 * row['predicted_exposed']:>14.1f}"
+              f"{row['hidden']!s:>8}")
+    ok = all(row["hidden"] == (n > result["threshold"]) for n, row in result["sizes"].items())
+    print(f"  exposed below the threshold, hidden above: {ok}")
+    return ok
 
 
 if __name__ == "__main__":

@@ -3,11 +3,13 @@
     python -m minitrain.bench pipeline [--quick] [--repeats 5] [--pairs 10] [--peers-only]
 
 Four measurements, one launch each (the first three: minitrain.pipeline.measure.run_pipelines):
-1. the course's GPT, real compute, p = 2 ranks: step time (median of the repeats) and the
-   bubble measured from the trace against the unit-cost formula. On this 2-core machine the
-   two ranks share the cores with everything else, so expect only rough agreement;
-2. a **calibrated-sleep stage** (no model: each stage action sleeps ``unit``), p = 2: the
-   timeline depends on the schedule alone, and the bubble must be within 10 % of the formula;
+1. the course's GPT, real compute, p = 2 ranks **on a modeled link** (``--link``, default the
+   inter-node preset; minitrain.runtime.link): the measured step (slowest rank) against
+   ``measure.predicted_step`` — ``simulate``'s rules with each action's measured time and
+   α + n/β per activation or gradient — per step, the median ratio; target within 20 %;
+2. a **calibrated-sleep stage** (no model: a forward sleeps ``unit``, a whole backward 2 units,
+   the chapter's convention), p = 2: the timeline depends on the schedule alone, and the
+   bubble must be within 10 % of the formula;
 3. peak activation bytes per stage, GPT at p = 4, m = 8: measured (autograd's saved tensors)
    against the in-flight formula (the stage's action order times each chunk's bytes);
 4. **peers side by side** (``--peers-only``: this section alone): GPipe and 1F1B against
@@ -21,10 +23,13 @@ Formulas: (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al. 2019; Narayanan et al. 
 
 from __future__ import annotations
 
+import statistics
+
 from minitrain.bench import bench_parser
 from minitrain.bench.pipeline_peer import report as peer_report
 from minitrain.bench.pipeline_peer import run_peers
 from minitrain.pipeline.measure import run_pipelines
+from minitrain.runtime.link import LINKS, describe
 
 CONFIG = dict(vocab_size=128, seq_len=64, n_layer=4, n_head=4, d_model=128)
 QUICK = dict(vocab_size=64, seq_len=32, n_layer=2, n_head=2, d_model=64)
@@ -40,6 +45,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--pairs", type=int, default=None,
                         help="measured steps of each peer pair (default 8 with --quick, else 10)")
+    parser.add_argument("--link", default="inter-node", choices=list(LINKS),
+                        help="the modeled link of section 1 (a preset)")
     parser.add_argument("--peers-only", action="store_true",
                         help="only section 4: minitrain against torch.distributed.pipelining")
     args = parser.parse_args(argv)
@@ -54,15 +61,24 @@ def main(argv=None) -> int:
     if args.peers_only:
         _peers(peer_config, pairs)
         return 0
-    real = run_pipelines("gpt", 2, m, CASES, batch=4 * m, config=config, repeats=repeats, timeout=300)
-    print(f"1. the course's GPT, real compute, p = 2, m = {m} (median of {repeats} steps)")
-    print(f"{'schedule':<18}{'step ms':>9}{'bubble':>9}{'formula':>9}")
+    link = LINKS[args.link]
+    real = run_pipelines("gpt", 2, m, CASES, batch=4 * m, config=config, repeats=repeats,
+                         timeout=300, link=link)
+    print(f"1. the course's GPT {config}, real compute, p = 2, m = {m}, on a modeled link "
+          f"(medians of {repeats} steps; one message {1e3 * real[CASES[0]]['message_seconds']:.1f} ms)"
+          f"\n   {describe(link)}")
+    print(f"{'schedule':<18}{'compute only':>13}{'predicted':>11}{'measured':>10}{'ratio':>7}"
+          f"{'within 20 %':>13}   (ms; ratio: median of measured/predicted per step)")
     for key, e in real.items():
-        print(f"{_label(*key):<18}{1e3 * e['seconds']:>9.1f}{e['measured_bubble']:>9.3f}"
-              f"{e['predicted_bubble']:>9.3f}")
+        ratio = statistics.median(t / p for t, p in zip(e["step_seconds"], e["predicted_seconds"]))
+        print(f"{_label(*key):<18}{1e3 * statistics.median(e['predicted_compute_only']):>13.1f}"
+              f"{1e3 * statistics.median(e['predicted_seconds']):>11.1f}"
+              f"{1e3 * statistics.median(e['step_seconds']):>10.1f}{ratio:>7.2f}"
+              f"{abs(ratio - 1) <= 0.2!s:>13}")
 
     sleep = run_pipelines("sleep", 2, 2, CASES, unit=unit, repeats=max(3, repeats), timeout=300)
-    print(f"\n2. calibrated-sleep stage (no model: {1e3 * unit:.0f} ms per action), p = 2, m = 2")
+    print(f"\n2. calibrated-sleep stage (no model: a forward sleeps {1e3 * unit:.0f} ms, a whole "
+          f"backward {2e3 * unit:.0f} ms), p = 2, m = 2")
     print(f"{'schedule':<18}{'bubble':>9}{'formula':>9}{'within 10 %':>13}")
     for key, e in sleep.items():
         ok = abs(e["measured_bubble"] - e["predicted_bubble"]) <= 0.1 * e["predicted_bubble"]

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from minitrain.collectives.cost_model import fit_alpha_beta, predict_all_reduce
+from minitrain.collectives.cost_model import fit_alpha_beta, predict_all_reduce, typical_seconds
 from minitrain.collectives.exchange import exchange
 from minitrain.runtime import slowest_rank_seconds
 from minitrain.runtime.point_to_point import ring_neighbours
@@ -99,9 +99,9 @@ def measure_link_cost(group: ProcessGroup | None = None, device: torch.device | 
         send = torch.ones(m // 4, device=device)
         recv = torch.empty(m // 4, device=device)
         step = lambda s=send, r=recv: exchange(s, next_rank, r, prev_rank, group)  # noqa: E731
-        step()  # warm-up: the connection, the allocator
-        seconds.append(min(slowest_rank_seconds(step, device=device, group=group)[0]
-                           for _ in range(reps)))
+        # after a warm-up (the connection, the allocator); the best of reps, or on a modeled
+        # link the median from the last rank's start (cost_model.typical_seconds)
+        seconds.append(typical_seconds(step, reps, device, group))
     # every rank holds the same times (each is the slowest rank's), so the same fit
     alpha, beta = fit_alpha_beta(list(sizes), seconds)
     a = torch.ones(sizes[-1] // 4, device=device)

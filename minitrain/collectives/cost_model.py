@@ -17,16 +17,24 @@ decide and recursive doubling's log2 N beats the ring's 2(N-1). The time spent a
 
 α and β are fitted (least squares) to one ring *step* — every rank sends m bytes to
 its successor while receiving from its predecessor — measured with the same ranks, so
-the contention of N processes on few cores is part of the fit.
+the contention of N processes on few cores is part of the fit. The notebook measures on a
+modeled link (``minitrain.runtime.link``, issue 42), whose α and β the fit must recover:
+timings there run from the last rank's start (``seconds_of``) and take the median.
+
+Section 6's DDP on that link: ``link_for_overlap`` sizes a link to a measured backward (one
+all-reduce of the gradients as long as backward), ``modeled_step`` predicts a step's time
+per bucket size — bucket count × α against the communication left after backward.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 
 import torch
+import torch.distributed as dist
 
-from minitrain.runtime import get_device, slowest_rank_seconds
+from minitrain.runtime import device_clock, get_device, slowest_rank_seconds
 
 
 def fit_alpha_beta(nbytes: list[int], seconds: list[float]) -> tuple[float, float]:
@@ -72,14 +80,39 @@ def predict_all_reduce(
     raise ValueError(f"predict_all_reduce: unknown algorithm {algorithm!r}")
 
 
-def _best_time(fn, reps: int, device) -> float:
-    """Best of ``reps`` runs of the slowest rank's time for ``fn()``, after one warm-up.
+def seconds_of(fn, device="cpu", group=None) -> float:
+    """One timing of ``fn()`` on every rank of ``group`` (a collective), the same number on
+    every rank. Without a modeled link: the slowest rank's time from a barrier
+    (``slowest_rank_seconds``). On a modeled link (``minitrain.runtime.link``, one machine, so
+    one clock): from the *last* rank's start to the last rank's end — a barrier lets ranks go
+    a millisecond apart on a loaded machine, and a collective cannot start before its last
+    rank calls it, so the earlier ranks' wait is the machine's, not the link's α."""
+    from minitrain.runtime.link import link_of
 
-    The best, not the median: the model describes the link, and on a machine shared with
-    other programs a message sometimes waits milliseconds for its thread to be scheduled.
-    On a GPU the clock is read once ``device``'s queued work is done."""
+    if link_of(group) is None:
+        return slowest_rank_seconds(fn, device=device, group=group)[0]
+    dist.barrier(group=group)
+    start = device_clock(device)
     fn()
-    return min(slowest_rank_seconds(fn, device=device)[0] for _ in range(reps))
+    ends = torch.tensor([start, device_clock(device)], dtype=torch.float64, device=device)
+    dist.all_reduce(ends, op=dist.ReduceOp.MAX, group=group)  # (after the clock: untimed)
+    return (ends[1] - ends[0]).item()
+
+
+def typical_seconds(fn, reps: int, device="cpu", group=None) -> float:
+    """Of ``reps`` timings of ``fn()`` (``seconds_of``) after one warm-up: the best without a
+    modeled link, the median on one. Every rank of ``group`` calls it and gets the same number.
+
+    The best without a link: the model describes the link, and on a machine shared with
+    other programs a message sometimes waits milliseconds for its thread to be scheduled —
+    errors that only ever add. On a modeled link a repetition can also end a little early (the
+    link forgives a rank the time it woke late from its last wait), so the errors go both ways
+    and the median is the estimate. On a GPU the clock is read once ``device``'s work is done."""
+    from minitrain.runtime.link import link_of
+
+    fn()
+    times = [seconds_of(fn, device, group) for _ in range(reps)]
+    return min(times) if link_of(group) is None else statistics.median(times)
 
 
 def measure_ring_step(sizes: list[int], reps: int = 10) -> list[float]:
@@ -92,7 +125,7 @@ def measure_ring_step(sizes: list[int], reps: int = 10) -> list[float]:
     for m in sizes:
         device = get_device()
         send, recv = torch.ones(m // 4, device=device), torch.empty(m // 4, device=device)
-        out.append(_best_time(lambda s=send, r=recv: exchange(s, next_rank, r, prev_rank), reps,
+        out.append(typical_seconds(lambda s=send, r=recv: exchange(s, next_rank, r, prev_rank), reps,
                               device))
     return out
 
@@ -106,6 +139,41 @@ def measure_all_reduce(algorithms: list[str], sizes: list[int], reps: int = 5) -
         out[algo] = []
         for n in sizes:
             x = torch.ones(n // 4, device=get_device())
-            out[algo].append(_best_time(lambda x=x, a=algo: collectives.all_reduce(x, a), reps,
+            out[algo].append(typical_seconds(lambda x=x, a=algo: collectives.all_reduce(x, a), reps,
                                         x.device))
     return out
+
+
+# ------------------------------------------- data parallelism on a modeled link (section 6)
+ALPHA_SHARE = 0.01  # link_for_overlap's α / backward (why: notebook 04, section 6)
+
+
+def link_for_overlap(backward: float, gradient_bytes: int, world: int = 2,
+                     alpha_share: float = ALPHA_SHARE, name: str = "comm = backward"):
+    """The modeled link on which one all-reduce of all ``gradient_bytes`` takes as long as
+    ``backward`` seconds (ring: 2(N-1)α + 2(N-1)/N·n/β), α being ``alpha_share`` of it: the
+    regime where overlapping decides the step time (notebook 04, section 6)."""
+    from minitrain.runtime.link import Link
+
+    alpha = alpha_share * backward
+    steps = 2 * (world - 1)
+    bandwidth = steps / world * gradient_bytes / (backward - steps * alpha)
+    return Link(alpha, bandwidth, name, f"all-reduce of {gradient_bytes / 2**20:.2f} MiB = "
+                f"backward's {backward * 1e3:.1f} ms, α = {alpha_share:.0%} of it")
+
+
+def modeled_step(bucket_bytes: list[int], backward: float, other: float, link, world: int = 2,
+                 overlap: bool = True) -> float:
+    """The step time the α–β model predicts (seconds): buckets ready as backward produces their
+    bytes (evenly in time, in bucket order), each all-reduce queued behind the one before on
+    the link (``link_costs.all_reduce_time``); the step ends when backward and the last
+    all-reduce have, plus ``other`` (forward, optimizer). ``overlap=False``: every bucket
+    launched after backward. Few buckets: the last one starts late; many: α per bucket."""
+    from minitrain.runtime.link_costs import all_reduce_time
+
+    total, done, free = sum(bucket_bytes), 0, 0.0
+    for n in bucket_bytes:
+        done += n
+        ready = backward * done / total if overlap else backward
+        free = max(ready, free) + all_reduce_time(n, world, link)
+    return other + max(backward, free)

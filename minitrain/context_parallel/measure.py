@@ -14,6 +14,8 @@ contiguous, n/2 for zigzag), bh = batch × heads, d the head size, e bytes per e
   computes in full (``pair_entries``). Contiguous causal: rank r computes r + 1 pairs,
   so the last rank does P times the first's work; zigzag: every rank computes 2P pairs of
   half-size chunks (each c = n/2), the same for all (Brandon et al. 2023 make the same case).
+- Overlap (``measure_overlap``): on a modeled link whose bandwidth W puts e·F/(2W) at a chosen
+  n, the time a rank waits for K, V below and above it, next to max(0, transfer − compute).
 - Memory: ring attention saves q, k, v, out (4·bh·n·d·e) and the logsumexp (bh·n·4) per
   rank — linear in N/P — and holds one score block of bh·c² at a time; full attention
   saves the bh·N² probabilities.
@@ -34,6 +36,7 @@ from minitrain.context_parallel.ring import (
     reset_communication_log,
     ring_attention,
 )
+from minitrain.flash_attention import flash_attention_forward
 from minitrain.flash_attention.tiles import BLOCK_K, BLOCK_Q, blocks
 from minitrain.runtime import device_clock, get_device, launch, trace
 
@@ -193,3 +196,92 @@ def overlap_summary(events) -> dict:
     return {"compute": sum(e.duration for e in compute), "in_flight": in_flight,
             "waiting": sum(e.duration for e in waiting),
             "overlapped": trace.overlap_seconds(compute, comm)}
+
+
+# ------------------------------------------------ the overlap threshold on a modeled link
+def overlap_threshold(flops_per_second, bandwidth, bytes_per_element=4) -> float:
+    """n ≥ e·F/(2W): the tokens per rank at which a block's compute, 4·n²·d FLOPs per head
+    (non-causal), takes as long as its K, V transfer, 2·n·d·e bytes per head (notebook 10, §7)."""
+    return bytes_per_element * flops_per_second / (2 * bandwidth)
+
+
+def _block_spans(events):
+    """(seconds of the first block computed, seconds blocked waiting for K, V) of one forward."""
+    compute = [e.duration for e in events if e.kind == "compute"]
+    waited = sum(e.duration for e in events if e.kind == "idle" and "K,V" in e.name)
+    return compute[0], waited
+
+
+def _forwards(q, k, v, repeats):
+    spans = []
+    for _ in range(repeats + 1):  # the first: warm-up (gloo connects on its first message)
+        dist.barrier()
+        trace.reset()
+        ring_attention(q, k, v, causal=False)
+        spans.append(_block_spans(trace.events()))
+    return spans[1:]
+
+
+def _cpu_seconds(fn, *args) -> float:
+    start = time.process_time()
+    fn(*args)
+    return time.process_time() - start
+
+
+def _rank_overlap(sizes, threshold, batch_heads, head_dim, repeats):
+    from minitrain.runtime.link import Link, use_link
+
+    g = torch.Generator(device="cpu").manual_seed(dist.get_rank())
+
+    def shards(n):
+        return [torch.randn(1, batch_heads, n, head_dim, generator=g, device="cpu")
+                .to(get_device()) for _ in range(3)]
+
+    with torch.no_grad():
+        # this machine's attention rate on the block at the threshold: CPU seconds (what other
+        # processes sharing the cores do not inflate), the best of three
+        t = min(_cpu_seconds(flash_attention_forward, *shards(threshold)) for _ in range(3))
+        rate = torch.tensor([4 * threshold**2 * head_dim * batch_heads / t], device=get_device())
+        dist.all_reduce(rate)  # every rank builds the same link
+        flops = rate.item() / dist.get_world_size()
+        # the link's β puts e·F/(2W) at ``threshold``; α small next to a block (the formula
+        # leaves α out)
+        link = Link(t / 50, 4 * flops / (2 * threshold), "cp-threshold",
+                    f"β chosen so that e·F/(2W) = {threshold} tokens at this machine's "
+                    f"{flops / 1e9:.1f} GFLOP/s of attention")
+        out = {}
+        for n in sizes:
+            data = shards(n)
+            unmodeled = _forwards(*data, 1)[0][1]
+            with use_link(link):  # the repeat that computed fastest: the least disturbed by
+                compute, waited = min(_forwards(*data, repeats))  # other processes
+            out[n] = {"compute": compute, "exposed": waited, "unmodeled": unmodeled}
+    return {"flops": flops, "link": link, "sizes": out}
+
+
+def measure_overlap(sizes=(64, 128, 1024, 1536), threshold=512, batch_heads=8, head_dim=64,
+                    world_size=2, repeats=3, timeout=300) -> dict:
+    """Ring attention's forward (non-causal, fp32) on ``world_size`` ranks over a modeled link
+    whose bandwidth puts the overlap threshold e·F/(2W) at ``threshold`` tokens per rank, F this
+    machine's attention rate measured at that size first (CPU time, best of three). Per size n (tokens per rank):
+    the K, V transfer's modeled time α + n/β ("transfer"), the first block's compute (the one
+    the transfer overlaps), the time blocked waiting for K, V ("exposed", from the trace; of the
+    repeat whose block computed fastest, mean over ranks; "unmodeled": one run without the
+    link), the prediction max(0, transfer − compute), and "hidden": exposed below a third of
+    the transfer. Returns those per size ("sizes"), "link", "flops", "threshold"."""
+    from minitrain.runtime.link_costs import p2p_time
+
+    ranks = launch(_rank_overlap, world_size, list(sizes), threshold, batch_heads, head_dim,
+                   repeats, timeout=timeout)
+    link, rows = ranks[0]["link"], {}
+    for n in sizes:
+        transfer = p2p_time(2 * batch_heads * n * head_dim * 4, link)  # K and V, one block
+        compute = statistics.mean(r["sizes"][n]["compute"] for r in ranks)
+        exposed = statistics.mean(r["sizes"][n]["exposed"] for r in ranks)
+        unmodeled = statistics.mean(r["sizes"][n]["unmodeled"] for r in ranks)
+        rows[n] = {"transfer": transfer, "compute": compute, "exposed": exposed,
+                   "unmodeled": unmodeled,
+                   "predicted_exposed": max(0.0, transfer - compute),
+                   "hidden": exposed < transfer / 3}
+    return {"link": link, "flops": ranks[0]["flops"], "sizes": rows,
+            "threshold": overlap_threshold(ranks[0]["flops"], link.bandwidth)}

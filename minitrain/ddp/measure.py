@@ -8,6 +8,7 @@ torch's ``DistributedDataParallel`` runs beside them as the reference, never ins
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 
 import torch
@@ -22,6 +23,7 @@ from minitrain.runtime import (
     summarize_step_times,
     trace,
 )
+from minitrain.runtime.link import use_link
 from minitrain.runtime.timing import slowest_rank_times
 
 
@@ -51,6 +53,43 @@ def hidden_communication_share(events: list[trace.Event]) -> float:
     total = trace.overlap_seconds(comm, comm)  # a set overlaps itself on its union
     hidden = trace.overlap_seconds(comm, compute) - trace.overlap_seconds(comm, waiting)
     return hidden / total if total > 0 else 0.0
+
+
+def exposed_after_backward(events: list[trace.Event], bucket_bytes: list[int], link,
+                           world: int) -> float:
+    """From one rank's trace of one step on a modeled ``link``: when backward's compute ended
+    and when each bucket's all-reduce was launched, the seconds the all-reduces run past
+    backward's end if each takes the link's time (``link_costs.all_reduce_time``), queued one
+    behind the other. (The span's own end is when a thread was told, late on a busy CPU.)"""
+    from minitrain.runtime.link_costs import all_reduce_time
+
+    end = max(e.end for e in events if e.name == "backward")
+    free = 0.0
+    for start, name in sorted((e.start, e.name) for e in events if e.kind == "communication"):
+        free = max(start, free) + all_reduce_time(bucket_bytes[int(name.split()[-1])], world, link)
+    return max(0.0, free - end)
+
+
+def predicted_gain(result: dict, reference: str, variant: str) -> float:
+    """What the traces predict ``variant`` saves per step against ``reference`` on
+    ``result["link"]`` (``measure``'s result; seconds): the median over traced steps of the
+    difference of their ``exposed_after_backward`` (each the slowest rank's) — the
+    communication the timeline no longer shows after backward. Backward's own length is left
+    out: tracing stamps each all-reduce's end from a callback that competes with backward for
+    Python, a cost of recording that the untraced steps, whose times say whether the
+    timeline explains them, do not pay."""
+    def per_step(name):
+        return [max(exposed_after_backward(ev, result["bucket_bytes"][name], result["link"],
+                                           result["world"]) for ev in ranks)
+                for ranks in result["step_traces"][name]]
+    return statistics.median(a - b for a, b in zip(per_step(reference), per_step(variant)))
+
+
+def backward_seconds(result: dict, name: str) -> float:
+    """The median over ``measure``'s traced steps and ranks of variant ``name``'s "backward"
+    compute span (first gradient to last): what a link is sized against."""
+    return statistics.median(e.end - e.start for ranks in result["step_traces"][name]
+                             for events in ranks for e in events if e.name == "backward")
 
 
 def hidden_share_per_step(step_traces: list[list[list[trace.Event]]]) -> list[float]:
@@ -100,9 +139,9 @@ def _build(name, kwargs, config, bucket_mb):
     return DataParallel(model, **{"bucket_cap_mb": bucket_mb, **kwargs})
 
 
-def _rank_measure(variants, config, bucket_mb, steps, batch):
+def _rank_measure(variants, config, bucket_mb, steps, batch, link, reference):
     """Per variant: the step times (this rank) of ``steps`` untraced steps and the trace
-    events of as many traced ones."""
+    events of as many traced ones; ``link`` a function of backward's seconds: sized first."""
     torch.manual_seed(1 + dist.get_rank())
     models = {name: _build(name, kw, config, bucket_mb) for name, kw in variants.items()}
     first = next(iter(models.values())).module  # every variant starts from these weights
@@ -114,12 +153,31 @@ def _rank_measure(variants, config, bucket_mb, steps, batch):
     y = torch.randint(0, config["vocab_size"], (batch, config["seq_len"]), device="cpu").to(device)
     was_tracing = trace.enabled()
     try:
-        times, step_events = _take_turns(models, opts, x, y, steps)
+        if callable(link):  # sized to this run's backward, measured here, now (same load)
+            link = link(_unmodeled_backward(reference, variants[reference], config, bucket_mb,
+                                            x, y))
+        with use_link(link) if link is not None else contextlib.nullcontext():
+            times, step_events = _take_turns(models, opts, x, y, steps)
     finally:
         trace.enable(was_tracing)  # the rounds turn tracing on and off
-    n_buckets = {name: len(m.buckets) for name, m in models.items() if name != TORCH_DDP}
-    return {"times": times, "events": step_events, "buckets": n_buckets,
+    dp = {name: m for name, m in models.items() if name != TORCH_DDP}
+    return {"times": times, "events": step_events, "link": link,
+            "buckets": {name: len(m.buckets) for name, m in dp.items()},
+            "bucket_bytes": {name: [b.buffer.numel() * b.buffer.element_size() for b in m.buckets]
+                             for name, m in dp.items()},
             **_parameter_differences(models, initial)}
+
+
+def _unmodeled_backward(name, kwargs, config, bucket_mb, x, y) -> float:
+    """Seconds of variant ``name``'s backward (median of 3 traced steps, a copy of the model,
+    no link), the slowest rank's: what ``measure(link=function)`` sizes the link with."""
+    model = _build(name, kwargs, config, bucket_mb)
+    opts = {name: torch.optim.SGD(model.parameters(), lr=1e-3)}
+    _, events = _take_turns({name: model}, opts, x, y, 3)
+    seconds = backward_seconds({"step_traces": {name: [events[name]]}}, name)
+    agreed = torch.tensor(seconds, dtype=torch.float64, device=get_device())
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)  # every rank sizes the same link
+    return agreed.item()
 
 
 def _take_turns(models: dict, opts: dict, x, y, steps: int) -> tuple[dict, dict]:
@@ -183,12 +241,14 @@ def measure(
     steps: int = 10,
     batch: int = 2,
     world: int = 2,
+    link=None,
+    reference: str = TORCH_DDP,
 ) -> dict:
     """Run the variants side by side on ``world`` ranks.
 
     Returns {"step_time": {name: median over steps of the slowest rank's time}, "spread":
     {name: its first and third quartiles}, "step_ratio": {name: median over steps of the
-    step's time / torch DDP's in the same step} (when torch DDP runs: the pairs' ratio, which
+    step's time / ``reference``'s in the same step} (when it runs: the pairs' ratio, which
     a slow moment of the machine moves less than the ratio of the medians), "max_diff":
     {name: largest |parameter - torch DDP's| after the last step, over the ranks} (when torch
     DDP runs), "moved": {name: largest |parameter - initial value|},
@@ -196,14 +256,20 @@ def measure(
     rank r in step i] for each step i]}, "hidden_shares": {name: [hidden share of step i]}
     (DataParallel variants only), "buckets": {name: count}}.
     ``variants``: name → DataParallel keyword arguments; the name ``"torch DDP"`` means
-    torch's DistributedDataParallel.
+    torch's DistributedDataParallel. ``link``: the modeled link the ranks talk over
+    (``launch``'s; torch DDP's reducer calls gloo from C++, under it: not modeled), or a
+    function backward seconds → link, called with ``reference``'s unmodeled backward measured
+    first in the same launch (a link sized to the machine's load of the moment); the link used
+    is returned as "link", with "world" and "bucket_bytes" {name: bytes of each bucket}.
     """
-    res = launch(_rank_measure, world, variants, config, bucket_mb, steps, batch, timeout=600)
+    sized = callable(link)  # else the link is launch's, on from the first message
+    res = launch(_rank_measure, world, variants, config, bucket_mb, steps, batch,
+                 link if sized else None, reference, timeout=600, link=None if sized else link)
     summary = summarize_step_times([r["times"] for r in res])
-    if TORCH_DDP in variants:
+    if reference in variants:
         slowest = {name: slowest_rank_times([r["times"][name] for r in res]) for name in variants}
         summary["step_ratio"] = {
-            name: statistics.median([a / b for a, b in zip(t, slowest[TORCH_DDP], strict=True)])
+            name: statistics.median([a / b for a, b in zip(t, slowest[reference], strict=True)])
             for name, t in slowest.items()
         }
     step_traces = {
@@ -215,6 +281,10 @@ def measure(
     }
     return {
         **summary,
+        "link": res[0]["link"],
+        "world": world,
+        "bucket_bytes": res[0]["bucket_bytes"],
+        "slowest": {name: slowest_rank_times([r["times"][name] for r in res]) for name in variants},
         "traces": traces,
         "step_traces": step_traces,
         "hidden_shares": shares,

@@ -5,8 +5,11 @@ What it teaches (notebook 09_flash_attention): FlashAttention does *more* FLOPs 
 attention (backward recomputes the scores) yet runs faster on GPUs because it moves fewer
 bytes between HBM and SRAM. Dao et al. 2022, Theorem 2: standard attention needs
 Θ(N d + N²) HBM accesses, FlashAttention Θ(N² d² / M) for SRAM size M (d <= M <= N d).
-The counts here are exact for minitrain's loops and are checked against what the tiled
-code records as it runs (``tiles.TileLog``). Counts are in elements, per (batch, head).
+Two loop orders are counted: ``tiled_io`` is minitrain's (FlashAttention-2: query blocks
+outside), exact for its loops and checked against what the tiled code records as it runs
+(``tiles.TileLog``); ``algorithm1_io`` is Dao et al. 2022's Algorithm 1 (key blocks
+outside), the algorithm Theorem 2 and ``block_size_for_sram`` belong to. Counts are in
+elements, per (batch, head).
 """
 
 from __future__ import annotations
@@ -22,12 +25,15 @@ def naive_io(n: int, d: int) -> dict:
     return {"reads": reads, "writes": writes, "total": reads + writes}
 
 
-def block_size_for_sram(sram_elements: int, d: int) -> int:
-    """Rows per tile so that Q_i, K_j, V_j and the O_i accumulator (four b x d blocks) fit in
-    an SRAM of M elements: b = floor(M / 4d) (Dao et al. 2022, Algorithm 1, line 1)."""
+def block_size_for_sram(sram_elements: int, d: int) -> tuple[int, int]:
+    """``(B_r, B_c)`` of Dao et al. 2022, Algorithm 1, line 1: B_c = ceil(M / 4d) key rows and
+    B_r = min(ceil(M / 4d), d) query rows. Q_i, O_i, K_j and V_j are four blocks of at most
+    ceil(M / 4d) x d elements, about M in all; B_r <= d keeps the B_r x B_c score tile S_ij
+    (and P_ij) within d ceil(M / 4d), about M / 4, as well. E.g. M = 25600, d = 64: (64, 100)."""
     if sram_elements < 4 * d:
         raise ValueError(f"an SRAM of {sram_elements} elements cannot hold four rows of d={d}")
-    return sram_elements // (4 * d)
+    b_c = -(-sram_elements // (4 * d))  # ceil, as the paper writes it
+    return min(b_c, d), b_c
 
 
 def tiled_io(n_q: int, n_k: int, d: int, block_q: int, block_k: int, causal: bool = False) -> dict:
@@ -44,10 +50,35 @@ def tiled_io(n_q: int, n_k: int, d: int, block_q: int, block_k: int, causal: boo
     return {"reads": reads, "writes": writes, "total": reads + writes}
 
 
-def tiled_io_for_sram(n: int, d: int, sram_elements: int, causal: bool = False) -> dict:
-    """``tiled_io`` with the tiles an SRAM of M elements holds: about 8 N² d² / M + 2 N d."""
-    b = block_size_for_sram(sram_elements, d)
-    return tiled_io(n, n, d, b, b, causal)
+def algorithm1_io(n_q: int, n_k: int, d: int, block_q: int, block_k: int, causal: bool = False) -> dict:
+    """What Dao et al. 2022's Algorithm 1 moves (FlashAttention-1 loop order): key blocks
+    outside, each K_j, V_j read once (line 6); for every visible query block, Q_i, O_i, l_i,
+    m_i read (line 8) and O_i, l_i, m_i written back (lines 12-13). Non-causal: reads =
+    2 N d + T_c (2 N d + 2 N), writes = T_c (N d + 2 N), T_c = ceil(N / B_c): with
+    B_c = M / 4d about 12 N² d² / M, Theorem 2's Θ(N² d² / M)."""
+    reads = writes = 0
+    for j0, j1 in blocks(n_k, block_k):
+        reads += 2 * (j1 - j0) * d
+        for i0, i1 in blocks(n_q, block_q):
+            if not (causal and j0 > i1 - 1):
+                reads += (i1 - i0) * (2 * d + 2)
+                writes += (i1 - i0) * (d + 2)
+    return {"reads": reads, "writes": writes, "total": reads + writes}
+
+
+def tiled_io_for_sram(n: int, d: int, sram_elements: int, causal: bool = False,
+                      order: str = "fa1") -> dict:
+    """HBM accesses with the tiles ``(B_r, B_c) = block_size_for_sram(M, d)`` of Algorithm 1.
+    ``order="fa1"``: Algorithm 1's own loops (``algorithm1_io``), about 12 N² d² / M + 2 N d.
+    ``order="fa2"``: minitrain's loops (``tiled_io``) with the same tiles: K and V are read
+    once per query block, N / B_r times, and B_r <= d, so about 2 N² + 2 N d whatever M is —
+    the block on the *outer* loop is the one whose size must grow with M."""
+    b_r, b_c = block_size_for_sram(sram_elements, d)
+    if order == "fa1":
+        return algorithm1_io(n, n, d, b_r, b_c, causal)
+    if order == "fa2":
+        return tiled_io(n, n, d, b_r, b_c, causal)
+    raise ValueError(f"order must be 'fa1' or 'fa2', got {order!r}")
 
 
 def theorem2_bound(n: int, d: int, sram_elements: int) -> float:

@@ -4,7 +4,8 @@ backward — each next to its formula or its reference.
 
 What it teaches (notebooks/09_flash_attention.ipynb): FlashAttention saves O(N d) bytes
 for backward where naive attention saves the O(N²) probabilities (Dao et al. 2022, section
-3.1), and its IO follows Theorem 2.
+3.1), and the HBM traffic its tiles record equals ``io_model.tiled_io`` (FlashAttention-2's
+loop order; Theorem 2's count of Algorithm 1 is ``io_model.algorithm1_io``).
 """
 
 from __future__ import annotations

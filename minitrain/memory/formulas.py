@@ -23,16 +23,24 @@ from __future__ import annotations
 
 # ------------------------------------------------------------------ bytes per parameter
 # The one table of training-state bytes per parameter, with Adam (chapters 1, 2 and 5 read it).
+# The three recipes of Megatron-LM's distributed-optimizer guide (non-distributed column):
 # fp32: 4 (weights) + 4 (gradients) + 8 (Adam's two fp32 moments) = 16.
-# mixed (Micikevicius et al. 2018): 2 (bf16/fp16 weights) + 2 (their gradients) + 4 (fp32
-#   master weights) + 8 (fp32 moments) + 4 (the fp32 buffer low-precision gradients are summed
-#   into before the update) = 20. ZeRO's paper counts 2 + 2 + K with K = 12 = master + moments.
+# mixed_fp32_grads: 2 (bf16/fp16 weights) + 4 (fp32 gradients: Megatron's `main_grad`, into
+#   which backward accumulates directly) + 4 (fp32 master weights) + 8 (fp32 moments) = 18.
+#   What minitrain's MasterWeightOptimizer keeps between steps: each 16-bit gradient is moved
+#   into the master's fp32 `.grad` as soon as it is final and freed.
+# mixed: 2 (16-bit weights) + 2 (their 16-bit gradients, kept) + 4 (fp32 master) + 8 (fp32
+#   moments) + 4 (the fp32 copy the 16-bit gradients are summed into before the update) = 20.
+#   Micikevicius et al. 2018 give the master weights and fp32 update; ZeRO (Rajbhandari et al.
+#   2020, section 3.1) counts the same recipe as 2 + 2 + K, K = 12, leaving out the fp32 copy.
 # bf16: everything, moments included, in bf16 and no master copy.
 # fp8: "mixed" with the weights the matmuls read cached in fp8; fp8_lean follows FP8-LM (Peng
 #   et al. 2023): fp8 weights and gradients, fp16 master weights, an fp8 first and an fp16
 #   second moment.
 BYTES_PER_PARAMETER: dict[str, dict[str, int]] = {
     "fp32": {"weights": 4, "gradients": 4, "master": 0, "optimizer": 8, "gradient_accumulation": 0},
+    "mixed_fp32_grads": {"weights": 2, "gradients": 4, "master": 4, "optimizer": 8,
+                         "gradient_accumulation": 0},
     "mixed": {"weights": 2, "gradients": 2, "master": 4, "optimizer": 8, "gradient_accumulation": 4},
     "bf16": {"weights": 2, "gradients": 2, "master": 0, "optimizer": 4, "gradient_accumulation": 0},
     "fp8": {"weights": 1, "gradients": 2, "master": 4, "optimizer": 8, "gradient_accumulation": 4},
@@ -55,15 +63,19 @@ def estimate_training_memory(num_params: int, precision: str = "fp32") -> dict:
 
     Returns a dict with keys weights, gradients, master, optimizer,
     gradient_accumulation and total (total = the sum of the others).
+    ``precision`` names a recipe (the three of Megatron-LM's distributed-optimizer guide):
     fp32: 4 (weights) + 4 (gradients) + 8 (Adam's two moments) = 16 bytes/parameter.
-    mixed (Micikevicius et al. 2018): 2 (bf16 weights) + 2 (bf16 gradients)
+    mixed_fp32_grads: 2 (16-bit weights) + 4 (fp32 gradients, Megatron's ``main_grad``)
+    + 4 (fp32 master weights) + 8 (fp32 moments) = 18 — what chapter 2's
+    MasterWeightOptimizer keeps.
+    mixed (Micikevicius et al. 2018): 2 (16-bit weights) + 2 (16-bit gradients)
     + 4 (fp32 master weights) + 8 (fp32 moments) + 4 (fp32 gradient accumulation) = 20.
-    So 1e9 parameters need 16e9 bytes in fp32, 20e9 mixed. "gradient_accumulation" is
-    the fp32 buffer mixed precision sums low-precision gradients into before the fp32
-    update; in fp32 the gradients are that buffer, so it is 0 there. Master weights are
-    0 in fp32 (the weights are already fp32). ``BYTES_PER_PARAMETER[precision]`` holds
-    these numbers (and those of the other recipes of chapter 2). Bad input raises
-    ValueError naming it.
+    So 1e9 parameters need 16e9 bytes in fp32, 18e9 or 20e9 mixed. "gradient_accumulation"
+    is the fp32 copy "mixed" sums its 16-bit gradients into before the fp32 update; where
+    the gradients are fp32 already they are that buffer, so it is 0. Master weights are 0
+    in fp32 (the weights are already fp32). ``BYTES_PER_PARAMETER[precision]`` holds these
+    numbers (and those of the other recipes of chapter 2). Bad input raises ValueError
+    naming it.
     """
     if isinstance(num_params, float) and num_params.is_integer():
         num_params = int(num_params)  # 7e9 is a fine way to write seven billion

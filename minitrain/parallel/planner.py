@@ -186,7 +186,9 @@ def _bandwidth(cluster: Cluster, stride: int, size: int) -> float:
 def step_time(config: GPTConfig, layout: Layout, seq_len: int, global_batch: int,
               cluster: Cluster, precision: str = "mixed") -> dict:
     """Predicted seconds per step: compute at ``cluster.mfu``, the pipeline bubble, and each
-    group's communication (not overlapped: an upper bound)."""
+    group's communication (not overlapped: an upper bound) — the messages the course's trainer
+    sends, on the busiest rank (``tests/test_planner_link.py`` adds them up on a modeled
+    link)."""
     lo, c, e = layout, cluster, BYTES_PER_ELEMENT[recipe(precision)]
     a, h = c.alpha, config.d_model
     recompute = 4 / 3 if lo.checkpointing == "full" else 1.0
@@ -199,18 +201,32 @@ def step_time(config: GPTConfig, layout: Layout, seq_len: int, global_batch: int
     out["bubble"] = out["compute"] * (lo.pp - 1) / lo.microbatches
     mb = global_batch // (lo.dp * lo.microbatches)
     act = mb * (seq_len // lo.cp) * h * e  # one micro-batch's hidden states on a rank
-    layers = max(len(r) for r in split_blocks(config.n_layer, lo.pp))
-    # TP: 2 all-reduces forward, 2 backward per layer and micro-batch (+2 when recomputing)
+    stages = split_blocks(config.n_layer, lo.pp)
+    layers = max(len(r) for r in stages)
+    # TP: 2 all-reduces forward, 2 backward per layer and micro-batch (+2 when recomputing);
+    # at the ends, the vocab-parallel embedding's forward one (first stage), the head input's
+    # backward one and the loss's three of one fp32 per token (last stage); the busiest stage
     per_layer = 4 + (2 if lo.checkpointing == "full" else 0)
     beta_tp = 1 / _bandwidth(c, 1, lo.tp)
-    out["tp"] = per_layer * layers * lo.microbatches * predict_all_reduce("ring", act, lo.tp, a,
-                                                                          beta_tp)
-    # CP: ring attention passes K and V around the ring, forward once, backward twice
+    hidden, loss = (predict_all_reduce("ring", n, lo.tp, a, beta_tp)
+                    for n in (act, 4 * mb * (seq_len // lo.cp)))
+    out["tp"] = lo.microbatches * max(
+        (per_layer * len(blocks) + (s == 0) + (s == lo.pp - 1)) * hidden
+        + 3 * (s == lo.pp - 1) * loss for s, blocks in enumerate(stages))
+    # CP: ring attention passes this TP rank's K and V heads round the ring, forward P − 1
+    # times, backward P − 1 times and their dK, dV P times (the last hop home: chapter 10)
     beta_cp = 1 / _bandwidth(c, lo.tp, lo.cp)
-    out["cp"] = 3 * layers * lo.microbatches * (lo.cp - 1) * (a + 2 * act * beta_cp)
-    # PP: per micro-batch an activation forward and a gradient backward
+    kv = 2 * act / lo.tp
+    out["cp"] = (layers * lo.microbatches * (3 * lo.cp - 2) * (a + kv * beta_cp)
+                 if lo.cp > 1 else 0.0)
+    # PP: the busiest stage's sends: a middle one sends each micro-batch's activation forward
+    # and its gradient backward, the last one the gradients and the step's loss (one float64
+    # to every other stage), the first one the activations
     beta_pp = 1 / _bandwidth(c, lo.tp * lo.cp * lo.dp, lo.pp)
-    out["pp"] = 2 * lo.microbatches * (a + act * beta_pp) if lo.pp > 1 else 0.0
+    hop = a + act * beta_pp
+    out["pp"] = (max(2 * lo.microbatches * hop * (lo.pp > 2),
+                     lo.microbatches * hop + (lo.pp - 1) * (a + 8 * beta_pp))
+                 if lo.pp > 1 else 0.0)
     # EP: dispatch and combine forward, the same two backward, per MoE layer and micro-batch
     tokens = mb * (seq_len // lo.cp)
     beta_ep = 1 / _bandwidth(c, lo.tp, lo.ep)

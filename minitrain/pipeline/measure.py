@@ -5,16 +5,17 @@ minitrain.bench pipeline``). ``run_pipelines`` launches p ranks once and runs se
 schedules on them, each traced with ``minitrain.runtime.trace``, returning per schedule the
 timelines, the measured bubble, the predicted one (``check.simulate``), and the peak bytes
 autograd held per stage (``minitrain.memory.LiveSavedBytes``) next to the in-flight formula.
-
+With ``link=`` (issue 42) the ranks' messages go over a modeled link: ``predicted_step`` is
+``simulate``'s makespan with each rank's measured action times and α + n/β per message.
 Two kinds of stage:
 - ``"gpt"``: the course's GPT, real compute. On this 2-core machine p ranks share two cores,
   so compute times depend on the load and the bubble only roughly follows the formula.
 - ``"sleep"``: **a calibrated sleep**, not a model: ``SleepGPT`` has the GPT's parts but each
-  block's forward, input-gradient and weight-gradient each sleep a fixed time (``unit``),
-  so the timeline depends on the schedule alone and the bubble must match the formula.
+  block's forward sleeps ``unit`` and its backward 2 ``unit`` (zero bubble: B and W one each),
+  the chapter's one cost convention (``check.py``), so the timeline depends on the schedule
+  alone, the bubble must match the formula and step times compare across schedules.
   The sleep happens where the stage computes: on a GPU a kernel that spins (a host sleep
   would leave the device idle, and the device-timed trace would show no compute at all).
-
 On a GPU the trace's spans are the device's (``trace``'s event clock, issue 41): host times
 would show when work was queued, and NCCL's waits do not block the host.
 """
@@ -30,11 +31,14 @@ import torch.distributed as dist
 from torch import nn
 
 from minitrain.memory import LiveSavedBytes, saved_activation_bytes
-from minitrain.pipeline.check import UNIT, chunk_costs, simulate
+from minitrain.pipeline.check import UNIT, ScheduleError, chunk_costs, dependencies, simulate
 from minitrain.pipeline.executor import PipelineStage
+from minitrain.pipeline.messages import sent_by
 from minitrain.pipeline.schedules import make_schedule
 from minitrain.runtime import device_clock, get_device, launch, trace
+from minitrain.runtime.link_costs import p2p_time
 
+WHOLE_BACKWARD = {"F": 1, "B": 2}  # a schedule without W: B is the whole backward, B + W
 _overshoot = []
 _gpu_cycles_per_second: dict = {}
 
@@ -48,14 +52,15 @@ def calibrated_sleep(seconds: float, device="cpu") -> None:
     if torch.device(device).type == "cuda":
         torch.cuda._sleep(int(seconds * _cycles_per_second(device)))
         return
-    if not _overshoot:
-        tries = []
-        for _ in range(5):
-            t = time.perf_counter()
-            time.sleep(0.002)
-            tries.append(time.perf_counter() - t - 0.002)
-        _overshoot.append(statistics.median(tries))
+    if not _overshoot:  # the median of five 2 ms sleeps' overshoot
+        _overshoot.append(statistics.median(_overslept(0.002) for _ in range(5)))
     time.sleep(max(0.0, seconds - _overshoot[0]))
+
+
+def _overslept(seconds: float) -> float:
+    start = time.perf_counter()
+    time.sleep(seconds)
+    return time.perf_counter() - start - seconds
 
 
 def _cycles_per_second(device) -> float:
@@ -123,10 +128,51 @@ class SleepGPT(nn.Module):
 def measured_bubble(events_per_rank) -> float:
     """1 - (time every rank computed) / (ranks x span from the first compute to the last)."""
     compute = [[e for e in evs if e.kind == "compute"] for evs in events_per_rank]
-    start = min(e.start for evs in compute for e in evs)
-    end = max(e.end for evs in compute for e in evs)
+    start, end = min(e.start for c in compute for e in c), max(e.end for c in compute for e in c)
     busy = sum(e.duration for evs in compute for e in evs)
     return 1.0 - busy / (len(compute) * (end - start))
+
+
+def action_seconds(events_per_rank) -> list:
+    """Per rank, {(kind, micro-batch, chunk): seconds} of one step's traced F/B/W spans."""
+    out = []  # spans are named "F3" or, with chunks, "F3.1" (PipelineStage.forward/backward)
+    for evs in events_per_rank:
+        spans = {}
+        for e in evs:
+            if e.kind == "compute" and e.name[:1] in "FBW":
+                mb, _, chunk = e.name[1:].partition(".")
+                spans[(e.name[0], int(mb), int(chunk or 0))] = e.duration
+        out.append(spans)
+    return out
+
+
+def predicted_step(schedule, seconds, message_seconds: float = 0.0, num_chunks: int = 1) -> float:
+    """``simulate``'s makespan with real durations and a cost per message: stage s's action
+    takes ``seconds[s][(kind, mb, chunk)]`` (``action_seconds``); an input from another rank
+    arrives ``message_seconds`` (α + n/β) after it left, a rank's messages leave one after
+    another (the link queues them, ``link_messages.reserve``); the step ends when the last
+    action has and the last message has arrived. Zero cost, unit durations: ``simulate``'s."""
+    p, v = len(schedule), num_chunks
+    finish, arrive, position = {}, {}, [0] * p
+    free, link_free = [0.0] * p, [0.0] * p
+    while any(position[s] < len(schedule[s]) for s in range(p)):
+        before = sum(position)
+        for s in range(p):
+            while position[s] < len(schedule[s]):
+                action = schedule[s][position[s]]
+                deps, chunk = dependencies(action, s, p, v), action[2] if len(action) > 2 else 0
+                if any(d not in finish for d in deps):
+                    break
+                start = max([free[s]] + [arrive.get(d, finish[d]) for d in deps])
+                key = (action[0], action[1], chunk, s)
+                finish[key] = free[s] = start + seconds[s][(action[0], action[1], chunk)]
+                message = sent_by(action, s, p, v)
+                if message is not None and message.to_virtual % p != s:  # leaves the rank
+                    link_free[s] = arrive[key] = max(free[s], link_free[s]) + message_seconds
+                position[s] += 1
+        if sum(position) == before:
+            raise ScheduleError(f"the schedule deadlocks at actions {position}")
+    return max(free + link_free)
 
 
 def peak_bytes_from_order(actions, chunk_bytes) -> int:
@@ -146,18 +192,15 @@ def peak_bytes_from_order(actions, chunk_bytes) -> int:
 
 def _chunk_bytes(stage, batch, seq_len, d_model, targets) -> list:
     """Bytes autograd saves for one micro-batch through each of this stage's chunks alone."""
-    out = []
-    params = list(stage.parameters())
+    out, params = [], list(stage.parameters())
+    device = params[0].device
     for chunk in stage.chunks:
         def one(x, chunk=chunk):
             h = chunk(chunk.embed(x) if chunk.first else x)
             return chunk.loss(h, targets) if chunk.last else h
 
-        device = params[0].device
-        if chunk.first:
-            x = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
-        else:
-            x = torch.zeros(batch, seq_len, d_model, device=device, requires_grad=True)
+        x = (torch.zeros(batch, seq_len, dtype=torch.long, device=device) if chunk.first else
+             torch.zeros(batch, seq_len, d_model, device=device, requires_grad=True))
         out.append(saved_activation_bytes(one, x, exclude=params))
     return out
 
@@ -172,13 +215,12 @@ def _rank_runs(kind, cases, m, batch, unit, config, repeats):
     for name, v in cases:
         zb = name == "zero_bubble"
         if kind == "sleep":
-            # every action sleeps ``unit``, a chunk's too: the bubble fraction is the same
-            # as with chunks of unit/v (all costs scale alike), and the per-message overhead
-            # stays small next to the sleep
+            # F sleeps ``unit``, a whole backward 2 units (the chapter's convention), a chunk's
+            # too: the bubble fraction is the same as with chunks of 1/v (all costs scale
+            # alike), and the per-message overhead stays small next to the sleep
             with torch.device(device):
-                model = SleepGPT(p * v, unit, unit, unit if zb else 0.0)
-            x = torch.zeros(batch, 2, dtype=torch.long, device=device)
-            y = torch.zeros(batch, 2, dtype=torch.long, device=device)
+                model = SleepGPT(p * v, unit, unit if zb else 2 * unit, unit if zb else 0.0)
+            x, y = (torch.zeros(batch, 2, dtype=torch.long, device=device) for _ in range(2))
         else:
             torch.manual_seed(0)
             with torch.device(device):
@@ -212,39 +254,46 @@ def _rank_runs(kind, cases, m, batch, unit, config, repeats):
 
 
 def run_pipelines(kind: str, num_stages: int, num_microbatches: int, cases, batch=None,
-                  unit: float = 0.02, config=None, repeats: int = 1, timeout: float = 120) -> dict:
+                  unit: float = 0.02, config=None, repeats: int = 1, timeout: float = 120,
+                  link=None) -> dict:
     """Run each ``(schedule name, num_chunks)`` of ``cases`` on ``num_stages`` ranks (one launch).
 
     ``kind`` is "sleep" (calibrated sleeps of ``unit`` seconds per action) or "gpt"
     (the course's GPT of ``config``). Each schedule runs ``repeats`` measured steps; the one
     with the median bubble is reported. Returns {(name, v): dict(events per rank, measured
     and predicted bubble, simulation, peak bytes per stage measured and predicted, step
-    seconds, loss)}.
+    seconds, every repeat's ("step_seconds": the slowest rank's), loss)}. With ``link`` (a
+    ``Link``) the ranks run on it, and per repeat each entry adds ``predicted_step`` from that
+    repeat's action times without ("predicted_compute_only") and with α + n/β per activation
+    or gradient ("predicted_seconds"; "message_seconds": that cost).
     """
-    p, m = num_stages, num_microbatches
-    batch = batch or m
+    p, m, batch = num_stages, num_microbatches, batch or num_microbatches
     config = config or dict(vocab_size=64, seq_len=32, n_layer=2 * p, n_head=2, d_model=32)
     ranks = launch(_rank_runs, p, kind, list(cases), m, batch, unit, config, repeats,
-                   timeout=timeout)
+                   timeout=timeout, link=link)
     out = {}
     for i, (name, v) in enumerate(cases):
         per_rank = [r[i] for r in ranks]
         schedule = per_rank[0]["schedule"]
-        costs = UNIT if name == "zero_bubble" else {"F": 1, "B": 1}
+        costs = UNIT if name == "zero_bubble" else WHOLE_BACKWARD
         sim = simulate(schedule, chunk_costs(v, costs), num_microbatches=m, num_chunks=v)
-        bubbles = [measured_bubble([r["runs"][k]["events"] for r in per_rank])
-                   for k in range(repeats)]
+        runs = [[r["runs"][j]["events"] for r in per_rank] for j in range(repeats)]
+        steps = [max(r["runs"][j]["seconds"] for r in per_rank) for j in range(repeats)]
+        bubbles = [measured_bubble(events) for events in runs]
         k = bubbles.index(statistics.median_low(bubbles))
         entry = dict(
-            events=[r["runs"][k]["events"] for r in per_rank], schedule=schedule,
-            simulation=sim, measured_bubble=bubbles[k], bubbles=bubbles,
-            predicted_bubble=float(sim.bubble_fraction),
-            seconds=max(r["runs"][k]["seconds"] for r in per_rank), loss=per_rank[0]["loss"],
-            peak_bytes=[max(run["peak_bytes"] for run in r["runs"]) for r in per_rank],
-        )
+            events=runs[k], schedule=schedule, simulation=sim, measured_bubble=bubbles[k],
+            bubbles=bubbles, predicted_bubble=float(sim.bubble_fraction), seconds=steps[k],
+            step_seconds=steps, loss=per_rank[0]["loss"],
+            peak_bytes=[max(run["peak_bytes"] for run in r["runs"]) for r in per_rank])
         if kind == "gpt":
             entry["chunk_bytes"] = [r["chunk_bytes"] for r in per_rank]
             entry["predicted_peak_bytes"] = [
                 peak_bytes_from_order(schedule[s], per_rank[s]["chunk_bytes"]) for s in range(p)]
+        if link is not None:  # a message: (b/m, s, h) floats, or the sleep's (b/m, 2, 1)
+            per_row = 2 if kind == "sleep" else config["seq_len"] * config["d_model"]
+            cost = entry["message_seconds"] = p2p_time(4 * (batch // m) * per_row, link)
+            for field, c in (("predicted_seconds", cost), ("predicted_compute_only", 0.0)):
+                entry[field] = [predicted_step(schedule, action_seconds(evs), c, v) for evs in runs]
         out[(name, v)] = entry
     return out

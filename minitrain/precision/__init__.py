@@ -4,7 +4,8 @@ Used by notebooks/02_floating_point_and_loss_scaling.ipynb. Files by role:
 
 - ``formats.py``: ``FloatFormat`` built from its bits (decode, encode, round to nearest even)
   and the formats ``FP32, FP16, BF16, FP8_E4M3, FP8_E5M2``;
-- ``loss_scaling.py``: ``DynamicLossScaler`` (torch.amp.GradScaler's rules);
+- ``loss_scaling.py``: ``DynamicLossScaler`` (torch.amp.GradScaler's rules) and
+  ``fp32_lm_loss`` (the loss of low-precision logits, computed in fp32);
 - ``master_weights.py``: ``MasterWeightOptimizer`` (low-precision model, fp32 masters);
 - ``fp8.py``: per-tensor amax scaling, current and delayed, and a simulated FP8 linear layer.
 
@@ -22,7 +23,7 @@ from minitrain.precision.formats import (
     round_significand,
     sequential_sum,
 )
-from minitrain.precision.loss_scaling import DynamicLossScaler
+from minitrain.precision.loss_scaling import DynamicLossScaler, fp32_lm_loss
 from minitrain.precision.master_weights import MasterWeightOptimizer
 
 __all__ = [
@@ -35,6 +36,7 @@ __all__ = [
     "DynamicLossScaler",
     "FloatFormat",
     "MasterWeightOptimizer",
+    "fp32_lm_loss",
     "round_significand",
     "sequential_sum",
 ]

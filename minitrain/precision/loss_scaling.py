@@ -2,8 +2,19 @@
 
 Chapter 2, notebooks/02_floating_point_and_loss_scaling.ipynb. `DynamicLossScaler` multiplies
 the loss by S, divides the gradients by S before the step, skips steps whose gradients
-overflowed and adapts S (Micikevicius et al. 2018, "Mixed Precision Training", section 3.2;
-the same rules as torch.amp.GradScaler, which the tests use as the oracle).
+overflowed and adapts S: the rules of torch.amp.GradScaler (the tests' oracle). Where they come
+from: Micikevicius et al. 2018, "Mixed Precision Training", section 3.2, scale the loss by a
+*constant* S chosen per network and skip a step whose gradients overflowed; the *dynamic* rule
+(halve S on overflow, double it after N clean steps) came with NVIDIA's mixed-precision tools
+(Apex's `fp16_utils.DynamicLossScaler`, NVIDIA's "Training With Mixed Precision" guide) and is
+GradScaler's (start at 2^16, grow every 2000 clean steps).
+
+The loss itself is fp32, as in practice (Micikevicius et al. section 3.3 keep reductions and
+the softmax in fp32; `torch.autocast` runs cross-entropy in fp32): `fp32_lm_loss` casts
+low-precision logits to fp32 first. Then S lives in fp32 and 2^16 or 2^24 is as good a scale
+as 2^8: only a real gradient times S beyond fp16's 65504 overflows. Computing the loss in fp16
+is a pitfall: the first gradient of backward, d(S*L)/dL = S, is then an fp16 number and any
+S >= 2^16 is inf before a single layer runs.
 """
 
 from __future__ import annotations
@@ -12,7 +23,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from minitrain.model import lm_loss
 from minitrain.runtime import get_device
+
+
+def fp32_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The language-modelling loss of (fp16/bf16) logits, computed in fp32: a ``GPT.loss_fn``.
+
+    The softmax and the mean over tokens are reductions, which mixed precision keeps in fp32
+    (Micikevicius et al. 2018, section 3.3); so is the scaled loss S*L and the gradient
+    backward starts from, S. The first fp16 gradient is the logits' (S (p - onehot) / N).
+    """
+    return lm_loss(logits.float(), targets)
 
 
 class DynamicLossScaler:
@@ -23,6 +45,10 @@ class DynamicLossScaler:
     or NaN), then `scaler.update()`: back off (S *= backoff_factor) after an overflow, grow
     (S *= growth_factor) after `growth_interval` consecutive clean steps. Like GradScaler the
     scale is a float32 number, so the arithmetic rounds the same way.
+
+    S multiplies the fp32 loss (``fp32_lm_loss``, or autocast's fp32 cross-entropy), so the
+    default start, 2^16, need not be an fp16 number: what bounds S is the largest gradient,
+    which must stay below fp16's max (65504) after scaling.
     """
 
     def __init__(
@@ -126,7 +152,7 @@ class DynamicLossScaler:
         return optimizer.step(*args, **kwargs)
 
     def update(self) -> None:
-        """Adapt S after the iteration (Micikevicius et al. 2018, section 3.2).
+        """Adapt S after the iteration (dynamic loss scaling, torch.amp.GradScaler's rule).
 
         If any optimizer saw inf/NaN: S = S * backoff_factor and the growth tracker restarts
         at 0. Otherwise the tracker counts one more clean step; when it reaches

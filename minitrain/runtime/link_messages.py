@@ -53,6 +53,7 @@ def nbytes(t: torch.Tensor) -> int:
 def sleep_until(t: float) -> None:
     """Sleep (never spin) until ``t``; remember how late the thread woke (see ``reserve``)."""
     delay = t - time.monotonic()
+    _late.seconds = 0.0  # no wait, no lateness: a deadline already past is this rank's own time
     if delay > 0:
         time.sleep(delay)
         _late.seconds = max(0.0, time.monotonic() - t)
@@ -64,8 +65,11 @@ def reserve(group, directions, cost: float) -> float:
     late this thread woke from its last modeled wait: on a busy machine a sleeping rank is
     scheduled milliseconds after its deadline, a delay of this machine's, not of the modeled
     one, which a ring's 2(N−1) dependent steps would otherwise add up (the computation done
-    since waking is still charged in full)."""
+    since waking is still charged in full). Taken back once: the next message starts from the
+    real clock (a lateness kept for every later message let messages end up to 25 ms before
+    their modeled time under load)."""
     now = time.monotonic() - getattr(_late, "seconds", 0.0)
+    _late.seconds = 0.0
     with _lock:
         start = max(now, *(_free.get((group, d), 0.0) for d in directions))
         for d in directions:

@@ -1,15 +1,18 @@
-"""Widget of notebook 04: bucket size → number of buckets, measured step time, timeline.
+"""Widget of notebook 04: link and bucket size → buckets, measured and modeled step, timeline.
 
 Used by notebooks/04_collectives_and_data_parallel.ipynb. ``sweep_bucket_sizes`` measures
 real training steps of ``minitrain.ddp.DataParallel`` for a few bucket sizes (all in one
-launch, taking turns step by step); the slider then only re-plots those measurements.
-``compute_bucket_view`` is the pure function behind the widget (unit tested);
-``build_bucket_widget`` wires it to a slider.
+launch, taking turns step by step), on a modeled link if given, beside the step time the α–β
+model predicts for each (``cost_model.modeled_step``); ``sweep_links`` does it for several
+links. The controls then only re-plot those measurements. ``compute_bucket_view`` is the pure
+function behind the widget (unit tested); ``build_bucket_widget`` wires it to a link selector
+(when the sweep has several links) and a slider.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 
 from minitrain.ddp import assign_buckets, hidden_share_per_step, summarize_shares
 from minitrain.runtime import trace
@@ -24,29 +27,61 @@ def _label(cap_mb: float) -> str:
     return f"{cap_mb:g} MB"
 
 
-def sweep_bucket_sizes(
-    caps_mb: list[float], config: dict | None = None, steps: int = 8, world: int = 2
-) -> dict:
-    """Measure one bucketed, overlapped DataParallel per bucket size on ``world`` ranks.
+def _span(step_traces, name: str) -> float:
+    """Median seconds of the events called ``name`` over the steps and ranks of a variant."""
+    return statistics.median(e.end - e.start for ranks in step_traces for events in ranks
+                             for e in events if e.name == name)
+
+
+def sweep_bucket_sizes(caps_mb: list[float], config: dict | None = None, steps: int = 8,
+                       world: int = 2, link=None, batch: int = 2) -> dict:
+    """Measure one bucketed, overlapped DataParallel per bucket size on ``world`` ranks, on
+    ``link`` (``measure``'s: a Link, a preset, or a function of backward's seconds).
 
     Returns {"caps": caps_mb, "param_bytes": [bytes of each trainable parameter],
     "step_time": {cap: seconds}, "traces": {cap: per-rank events of the last step},
-    "step_traces": {cap: [per-rank events of step i] for every measured step}}.
+    "step_traces": {cap: [per-rank events of step i] for every measured step}}, and on a link
+    also "link" (the one used) and "model_step": {cap: seconds the α–β model predicts, with
+    forward, optimizer and backward measured on the largest bucket size's steps}.
     """
+    from minitrain.collectives.cost_model import modeled_step
     from minitrain.ddp.measure import QUICK_MODEL, measure
     from minitrain.model import GPT, GPTConfig
 
     config = config or QUICK_MODEL
     variants = {_label(c): {"bucket_cap_mb": c, "overlap": True} for c in caps_mb}
-    result = measure(variants, config, steps=steps, world=world)
+    result = measure(variants, config, steps=steps, world=world, batch=batch, link=link,
+                     reference=_label(max(caps_mb)))
     params = [p for p in GPT(GPTConfig(**config)).parameters() if p.requires_grad]
-    return {
+    sweep = {
         "caps": list(caps_mb),
         "param_bytes": [p.numel() * p.element_size() for p in params],
         "step_time": {c: result["step_time"][_label(c)] for c in caps_mb},
         "traces": {c: result["traces"][_label(c)] for c in caps_mb},
         "step_traces": {c: result["step_traces"][_label(c)] for c in caps_mb},
     }
+    if result["link"] is not None:
+        fewest = result["step_traces"][_label(max(caps_mb))]  # the least launching: compute
+        other = _span(fewest, "forward") + _span(fewest, "optimizer")
+        sweep["link"] = result["link"]
+        sweep["model_step"] = {c: modeled_step(result["bucket_bytes"][_label(c)],
+                                               _span(fewest, "backward"), other, result["link"],
+                                               world) for c in caps_mb}
+    return sweep
+
+
+def sweep_links(caps_mb: list[float], links: dict, **kwargs) -> dict:
+    """``sweep_bucket_sizes`` on each of ``links`` (label → link): {"links": {label: sweep}}."""
+    return {"links": {label: sweep_bucket_sizes(caps_mb, link=link, **kwargs)
+                      for label, link in links.items()}}
+
+
+def best_caps(sweep: dict) -> tuple[float, float | None]:
+    """(the bucket size with the shortest measured step, the one the model predicts shortest
+    — None without a link)."""
+    measured = min(sweep["caps"], key=sweep["step_time"].get)
+    model = sweep.get("model_step")
+    return measured, (min(sweep["caps"], key=model.get) if model else None)
 
 
 def count_buckets(param_bytes: list[int], cap_mb: float) -> int:
@@ -58,9 +93,10 @@ def count_buckets(param_bytes: list[int], cap_mb: float) -> int:
 
 
 def compute_bucket_view(sweep: dict, cap_mb: float) -> dict:
-    """What the widget shows for one measured bucket size: bucket count, step time (ms),
-    communication hidden behind compute — the median over the measured steps of each step's
-    share (mean over ranks), with its quartiles — and the per-rank timeline of the last step."""
+    """What the widget shows for one measured bucket size: bucket count, step time (ms) and,
+    on a link, the model's (ms), communication hidden behind compute — the median over the
+    measured steps of each step's share (mean over ranks), with its quartiles — and the
+    per-rank timeline of the last step."""
     if cap_mb not in sweep["step_time"]:
         raise ValueError(
             f"compute_bucket_view: bucket size {cap_mb!r} MB was not measured; "
@@ -69,11 +105,13 @@ def compute_bucket_view(sweep: dict, cap_mb: float) -> dict:
     traces = sweep["traces"][cap_mb]
     steps = sweep.get("step_traces", {}).get(cap_mb) or [traces]
     spread = summarize_shares(hidden_share_per_step(steps))
+    model = sweep.get("model_step", {}).get(cap_mb)
     return {
         "cap_mb": cap_mb,
         "label": _label(cap_mb),
         "buckets": count_buckets(sweep["param_bytes"], cap_mb),
         "step_ms": 1e3 * sweep["step_time"][cap_mb],
+        "model_ms": None if model is None else 1e3 * model,
         "hidden_share": spread["median"],
         "hidden_quartiles": (spread["q1"], spread["q3"]),
         "steps": spread["steps"],
@@ -89,30 +127,56 @@ def _render(view: dict) -> bytes:
     return plot_png(lambda ax: trace.plot_timeline(view["traces"], ax=ax, title=title), (9, 2.2))
 
 
+def _render_curve(sweep: dict, cap_mb: float) -> bytes:
+    """Step time against bucket size: measured, and the model's on a link; the minima marked."""
+    caps = sweep["caps"]
+    x = range(len(caps))
+
+    def draw(ax):
+        ax.plot(x, [1e3 * sweep["step_time"][c] for c in caps], "o-", label="measured")
+        if "model_step" in sweep:
+            ax.plot(x, [1e3 * sweep["model_step"][c] for c in caps], "s--", label="α–β model")
+        measured, model = best_caps(sweep)
+        ax.axvline(caps.index(cap_mb), color="grey", alpha=0.3)
+        title = f"shortest step: measured at {_label(measured)}"
+        ax.set(xticks=list(x), xticklabels=[_label(c) for c in caps], ylabel="step (ms)",
+               title=title + ("" if model is None else f", the model's at {_label(model)}"))
+        ax.legend(fontsize="small")
+
+    return plot_png(draw, (9, 2.4))
+
+
 def build_bucket_widget(sweep: dict):
-    """A slider over the measured bucket sizes, a one-line summary and the timeline."""
+    """A link selector (a ``sweep_links`` sweep), a slider over the measured bucket sizes, a
+    one-line summary, the step-time curve and the timeline."""
     import ipywidgets as w
 
+    sweeps = sweep["links"] if "links" in sweep else {"": sweep}
+    chooser = w.Dropdown(options=list(sweeps), description="link",
+                         layout=w.Layout(width="500px", display="" if "links" in sweep else "none"))
+    caps = next(iter(sweeps.values()))["caps"]
     slider = w.SelectionSlider(
-        options=[(_label(c), c) for c in sweep["caps"]],
-        value=sweep["caps"][0],
+        options=[(_label(c), c) for c in caps],
+        value=caps[0],
         description="bucket size",
         style={"description_width": "initial"},
         layout=w.Layout(width="500px"),
     )
-    summary = w.HTML()
-    image = w.Image(format="png")
+    summary, curve, image = w.HTML(), w.Image(format="png"), w.Image(format="png")
 
     def update():
-        view = compute_bucket_view(sweep, slider.value)
+        chosen = sweeps[chooser.value]
+        view = compute_bucket_view(chosen, slider.value)
+        model = "" if view["model_ms"] is None else f" (α–β model: {view['model_ms']:.1f} ms)"
         summary.value = (
             f"<b>{view['buckets']}</b> buckets · measured step "
-            f"<b>{view['step_ms']:.1f} ms</b> · "
+            f"<b>{view['step_ms']:.1f} ms</b>{model} · "
             f"<b>{100 * view['hidden_share']:.0f}%</b> of communication hidden "
             f"behind compute (median of {view['steps']} steps; quartiles "
             f"{100 * view['hidden_quartiles'][0]:.0f}–{100 * view['hidden_quartiles'][1]:.0f}%)"
         )
+        curve.value = _render_curve(chosen, slider.value)
         image.value = _render(view)
 
-    live([slider], update)
-    return w.VBox([slider, summary, image])
+    live([chooser, slider], update)
+    return w.VBox([chooser, slider, summary, curve, image])
