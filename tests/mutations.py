@@ -2076,6 +2076,21 @@ MUTATIONS = [
         ["tests/test_lessons_01_02.py::test_estimate_training_memory_recipes",
          "tests/test_lessons_01_02.py::test_master_weight_optimizer_keeps_the_18_byte_recipe"],
     ),
+    # ch05_06_mut_fixed.py
+    Mutation(
+        "issue 42: ZeRO-3/FSDP without prefetch predicted to wait for each block's gather once (backward's re-gather forgotten)",
+        "minitrain/fsdp/measure.py",
+        "        waits += 2 * sum(gathers)\n",
+        "        waits += sum(gathers)  # forgets backward's re-gather\n",
+        ["tests/test_ch05_link.py::test_prediction_without_prefetch_waits_for_every_gather"],
+    ),
+    Mutation(
+        "issue 42: TP's crossover width ignores the all-reduces' latency",
+        "minitrain/tensor_parallel/measure_link.py",
+        "    ar_alpha = 4 * all_reduce_time(0, tp_size, link)  # the α part: 8(t−1)α\n",
+        "    ar_alpha = 0.0\n",
+        ["tests/test_ch06_link.py::test_crossover_is_where_the_all_reduces_cost_what_they_save"],
+    ),
 ]
 
 # Run in the copy, with the copy first on sys.path: the copy's minitrain must be the one

@@ -133,3 +133,15 @@ def _ddp_auto_rank():
 def test_data_parallel_auto_matches_torch_all_reduce():
     for worst in launch(_ddp_auto_rank, 2, timeout=120):
         assert worst < 1e-5
+
+
+def test_a_modeled_link_is_taken_as_known_costs():
+    # issue 42: chapter 4's LinkCost (what a rank believes) and the runtime's Link (what the
+    # modeled network is) meet in one place: "auto" given a Link uses its figures exactly
+    from minitrain.collectives.auto import resolve_link
+    from minitrain.runtime.link import Link
+
+    cost = resolve_link(Link(alpha=2e-3, bandwidth=5e8), None, "cpu")
+    assert cost == LinkCost(alpha=2e-3, beta=2e-9)
+    with pytest.raises(TypeError, match="LinkCost, a LinkCostCache, a Link"):
+        resolve_link("intra-node", None, "cpu")

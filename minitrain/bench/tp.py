@@ -1,7 +1,7 @@
 """Benchmark: training-step time of the tensor-parallel GPT against one process and against
 data parallelism, and the bytes tensor parallelism sends against the formula.
 
-    python -m minitrain.bench tp [--quick] [--steps 10] [--peers-only]
+    python -m minitrain.bench tp [--quick] [--steps 10] [--peers-only] [--widths]
 
 Three ways to train the same GPT on the same global batch with AdamW, gloo:
 - dense, one process (rank 0 alone; rank 1 waits at a barrier);
@@ -23,6 +23,10 @@ Then, side by side (minitrain/bench/tp_peer.py): minitrain's TP against torch's 
 parallelism, from the same weights on the same batches — both medians, the median of the
 per-step ratios (target issue 33: ≤ 1.0) and the largest difference of the losses and
 parameters. ``--peers-only`` prints that section alone.
+
+``--widths`` (issue 42): one block at t = 1 and t = 2 for widths 64, 256, 1024 on the
+modeled intra-node link — TP's communication ∝ b·s·h against compute ∝ b·s·h²/t, where it
+stops scaling (``minitrain.tensor_parallel.measure_link``; notebook 06, section 12).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import torch.distributed as dist
 from minitrain.bench import bench_parser, step_time_header, step_time_row
 from minitrain.bench.tp_peer import report_peers, run_variants
 from minitrain.runtime import device_clock, get_device, launch, summarize_step_times
+from minitrain.tensor_parallel.measure_link import measure_widths
 
 DENSE, TP, DP = "dense, 1 process", "TP-2 (tensor_parallel)", "DP-2 (minitrain.ddp)"
 MODEL = dict(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=256)  # 3.3 M parameters
@@ -121,11 +126,33 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def report_widths(run: dict) -> str:
+    """``measure_link.measure_widths``'s table: per width t = 1 and t = 2 measured, the speedup
+    and the one predicted from the α–β formulas, and the predicted crossover width."""
+    from minitrain.runtime.link import describe
+
+    lines = [describe(run["link"]), f"one block, b = {run['batch']}, s = {run['seq_len']}, "
+             "forward + backward, fastest step (t = 2: the slower rank's)",
+             f"{'h':>5} {'t=1 (ms)':>9} {'t=2 (ms)':>9} {'speedup':>8} {'predicted':>10}"]
+    for h, d, t2, p in zip(run["widths"], run["dense"], run["tp"], run["predicted"]):
+        lines.append(f"{h:>5} {d * 1e3:>9.1f} {t2 * 1e3:>9.1f} {d / t2:>8.2f} {d / p:>10.2f}")
+    s = run["speedup"]
+    lines.append(f"predicted crossover width {run['crossover']:,.0f}; TP helps at the widest "
+                 f"and hurts at the narrowest: {s[-1] > 1 > s[0]}")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = bench_parser("tp", __doc__, quick="smaller model, fewer steps", steps=(4, 10))
     parser.add_argument("--peers-only", action="store_true",
                         help="only minitrain's TP side by side with torch's (± SP)")
+    parser.add_argument("--widths", action="store_true",
+                        help="only one block at t = 1 and t = 2 for three widths on the "
+                             "modeled intra-node link: where TP stops scaling (issue 42)")
     args = parser.parse_args(argv)
+    if args.widths:
+        print(report_widths(measure_widths(steps=args.steps)))
+        return 0
     config = QUICK_MODEL if args.quick else MODEL
     steps = args.steps
     from minitrain.model import GPTConfig, gpt_num_params

@@ -1,6 +1,6 @@
 """Benchmark: training-step time of ZeRO stages 1-3 (and offload) relative to data parallelism.
 
-    python -m minitrain.bench zero [--quick] [--world 2] [--steps 10]
+    python -m minitrain.bench zero [--quick] [--world 2] [--steps 10] [--prefetch]
 
 Trains the course's GPT with AdamW under ``minitrain.ddp.DataParallel`` (the reference: plain
 DP, bucketed all-reduce overlapped with backward) and under ``minitrain.zero.ZeroDataParallel``
@@ -14,6 +14,10 @@ What to expect on a CPU: ZeRO trades memory for time. Stage 3 sends 1.5× DP's b
 launches two gathers per block per step, so it is slower; offload on a CPU-only machine moves
 state from RAM to RAM, so it only adds copies (on a GPU it frees device memory for the price
 of PCIe transfers). ``measure`` is also what notebook 05 calls.
+
+``--prefetch`` (issue 42): stage 3 and FSDP on a modeled link sized so one block's all-gather
+takes 0.8× its forward, with and without prefetch (``minitrain.fsdp.measure``), the measured
+step and gather waits against the formula's.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from minitrain.bench import bench_parser, step_time_header, step_time_row
+from minitrain.fsdp.measure import measure_prefetch
 from minitrain.runtime import device_clock, get_device, launch, summarize_step_times
 
 DP = "DP (minitrain.ddp)"
@@ -124,10 +129,33 @@ def report(result: dict, num_params: int) -> str:
     return "\n".join(lines)
 
 
+def report_prefetch(kind: str, run: dict) -> str:
+    """``measure_prefetch``'s ratios: per variant the measured step and gather waits against
+    ``predicted_step``'s; prefetch's waits against the waits without it."""
+    from minitrain.runtime.link import describe
+
+    lines = [f"{kind}: {describe(run['link'])}"]
+    for name in ("prefetch", "exposed"):
+        p, t, w = run["predicted"][name], run["step_time"][name], run["waited"][name]
+        lines.append(f"  {name:>8}: step {t * 1e3:.1f} ms = {t / p['step']:.2f}× predicted, "
+                     f"waited on gathers {w * 1e3:.1f} ms = {w / p['waits']:.2f}× predicted")
+    w = run["waited"]
+    lines.append(f"  waits with prefetch / without: {w['prefetch'] / w['exposed']:.2f} "
+                 f"(predicted {run['predicted']['prefetch']['waits'] / run['predicted']['exposed']['waits']:.2f})")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = bench_parser("zero", __doc__, quick="smaller model, fewer steps", steps=(4, 10))
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--prefetch", action="store_true",
+                        help="only stage 3 and FSDP with and without prefetch on a modeled "
+                             "link, against the formula (issue 42)")
     args = parser.parse_args(argv)
+    if args.prefetch:
+        for kind in ("zero3", "fsdp"):
+            print(report_prefetch(kind, measure_prefetch(kind, steps=args.steps)))
+        return 0
     config = QUICK_MODEL if args.quick else MODEL
     steps = args.steps
     from minitrain.model import GPTConfig, gpt_num_params

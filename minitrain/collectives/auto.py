@@ -50,7 +50,9 @@ PROBE_REPS = 5
 @dataclass(frozen=True)
 class LinkCost:
     """The α–β model's two numbers for one process group: α seconds per message, β seconds
-    per byte (1/β is the bandwidth)."""
+    per byte (1/β is the bandwidth). What a rank *believes* of its network — fitted, or given —
+    beside ``minitrain.runtime.link.Link``, what the modeled network *is* (α and bytes per
+    second); ``all_reduce(..., link=a_link)`` takes a Link's figures as known exactly."""
 
     alpha: float
     beta: float
@@ -142,10 +144,15 @@ def resolve_link(link: LinkCost | LinkCostCache | None, group: ProcessGroup | No
     """The ``LinkCost`` ``all_reduce(..., link=link)`` uses for ``group`` (measuring if needed)."""
     if isinstance(link, LinkCost):
         return link
+    if hasattr(link, "alpha") and hasattr(link, "bandwidth"):
+        # a network's figures (minitrain.runtime.link.Link, or any α and bytes per second):
+        # what this rank would fit on it, known exactly, with no adding cost of its own
+        return LinkCost(link.alpha, 1.0 / link.bandwidth)
     if link is None:
         link = LINK_COSTS
     if not isinstance(link, LinkCostCache):
         raise TypeError(
-            f"all_reduce: link must be a LinkCost, a LinkCostCache or None, got {type(link).__name__}"
+            f"all_reduce: link must be a LinkCost, a LinkCostCache, a Link (alpha, bandwidth) or "
+            f"None, got {type(link).__name__}"
         )
     return link.get(group, device)
