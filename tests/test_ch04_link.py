@@ -2,11 +2,12 @@
 model of section 6, the trace's predicted gain, and measure(link=function) sizing a link.
 
 Timing checks use a slow link (α 15 ms, as tests/test_link.py) so that this machine's own
-overhead stays small beside it, and are measured twice on a miss (``_measured_twice``)."""
+overhead stays small beside it, and are measured twice on a miss (``timing_checks.measured_twice``)."""
 
 import math
 
 import pytest
+from timing_checks import measured_twice
 
 from minitrain.collectives import cost_model
 from minitrain.ddp.measure import exposed_after_backward, predicted_gain
@@ -16,14 +17,6 @@ from minitrain.runtime.trace import Event
 
 L = Link(15e-3, 125e6, "test")
 KIB, MIB = 1024, 1024 * 1024
-
-
-def _measured_twice(check) -> None:
-    try:
-        check()
-    except AssertionError as first:
-        print(f"timing check missed once, measuring again: {first}")
-        check()
 
 
 def test_link_for_overlap_makes_one_all_reduce_as_long_as_backward():
@@ -112,7 +105,7 @@ def test_the_fit_recovers_the_links_alpha_and_beta():
         assert alpha == pytest.approx(L.alpha, rel=0.1) and 1 / beta == pytest.approx(
             L.bandwidth, rel=0.1), (alpha, 1 / beta)
 
-    _measured_twice(check)
+    measured_twice(check)
 
 
 def test_measure_sizes_a_link_to_the_runs_backward():

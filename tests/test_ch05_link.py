@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from timing_checks import measured_twice
 
 from minitrain.fsdp.measure import measure_prefetch, predicted_step
 from minitrain.runtime import launch
@@ -72,15 +73,6 @@ def test_exposing_the_gathers_changes_no_result(kind):
         assert n_plain > 0 and n_exposed > n_plain  # the waits were counted, and added
 
 
-def _measured_twice(check) -> None:
-    """A rank woken late on a busy machine misses now and then: once more on a miss."""
-    try:
-        check()
-    except AssertionError as first:
-        print(f"timing check missed once, measuring again: {first}")
-        check()
-
-
 def _check_prefetch_hides():
     config = dict(vocab_size=64, seq_len=32, n_layer=4, n_head=4, d_model=128, bias=False)
     run = measure_prefetch("fsdp", config, batch=16, steps=4, ratio=0.8)
@@ -91,4 +83,4 @@ def _check_prefetch_hides():
 
 @pytest.mark.slow
 def test_prefetch_hides_the_gathers_on_a_link():
-    _measured_twice(_check_prefetch_hides)
+    measured_twice(_check_prefetch_hides)

@@ -6,6 +6,7 @@ import statistics
 from fractions import Fraction
 
 import pytest
+from timing_checks import measured_twice
 
 from minitrain.pipeline import make_schedule, simulate
 from minitrain.pipeline.check import chunk_costs
@@ -47,16 +48,6 @@ def test_action_seconds_reads_the_traced_spans():
     assert action_seconds([events]) == [{("F", 0, 0): 1.0, ("B", 0, 1): 2.5, ("W", 3, 0): 0.25}]
 
 
-def _measured_twice(check) -> None:
-    """A timing check, once more on a miss (a rank woken late on a shared machine); a wrong
-    model misses both times."""
-    try:
-        check()
-    except AssertionError as first:
-        print(f"timing check missed once, measuring again: {first}")
-        check()
-
-
 @pytest.mark.slow
 def test_sleep_stage_on_a_link_matches_the_prediction_and_the_convention():
     unit = 0.02
@@ -75,4 +66,4 @@ def test_sleep_stage_on_a_link_matches_the_prediction_and_the_convention():
         b = [d for (k, _, _), d in action_seconds(result[("1f1b", 1)]["events"])[0].items() if k == "B"]
         assert statistics.median(b) == pytest.approx(2 * unit, rel=0.25)
 
-    _measured_twice(check)
+    measured_twice(check)

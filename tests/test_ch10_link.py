@@ -3,6 +3,7 @@ overlap threshold n = e·F/(2W) and hidden above it, and the wait matches max(0,
 compute). Justifies notebook 10's compared line (its sizes, its third-of-the-transfer rule)."""
 
 import pytest
+from timing_checks import measured_twice
 
 from minitrain.context_parallel.measure import measure_overlap, overlap_threshold
 from minitrain.runtime.link_costs import p2p_time
@@ -12,16 +13,6 @@ def test_threshold_formula():
     # e·F/(2W): 4-byte elements, 10 GFLOP/s, 40 MB/s -> 500 tokens per rank
     assert overlap_threshold(10e9, 40e6) == pytest.approx(500)
     assert overlap_threshold(312e12, 300e9, bytes_per_element=2) == pytest.approx(1040)  # A100, NVLink
-
-
-def _measured_twice(check) -> None:
-    """A timing check, once more on a miss (a rank woken late on a shared machine); a wrong
-    model misses both times."""
-    try:
-        check()
-    except AssertionError as first:
-        print(f"timing check missed once, measuring again: {first}")
-        check()
 
 
 @pytest.mark.slow
@@ -37,4 +28,4 @@ def test_exposed_below_the_threshold_hidden_above_as_the_notebook_measures():
             if n < 512:  # the wait is the transfer the compute left uncovered
                 assert row["exposed"] > 0.5 * row["predicted_exposed"], (n, row)
 
-    _measured_twice(check)
+    measured_twice(check)

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from timing_checks import measured_twice
 
 from minitrain.runtime import launch, link, link_costs, link_wrap
 from minitrain.runtime.link import LINKS, SYSTEMS, Link, describe, scaled, use_link
@@ -247,25 +248,14 @@ def _check_all_reduces(results, world, link_):
     assert not bad, f"world {world}: measured / predicted off by more than 15 %: {bad}"
 
 
-def _measured_twice(check) -> None:
-    """Run a timing check; on a miss, once more. make test shares two cores between its lanes,
-    and a rank woken late misses by more than the tolerance now and then; a wrong model (the
-    mutations in tests/mutations.py) misses both times."""
-    try:
-        check()
-    except AssertionError as first:
-        print(f"timing check missed once, measuring again: {first}")
-        check()
-
-
 @pytest.mark.slow
 def test_world_2_messages_take_their_modeled_time():
-    _measured_twice(_check_world_2)
+    measured_twice(_check_world_2)
 
 
 @pytest.mark.slow
 def test_world_4_and_a_link_per_mesh_axis():
-    _measured_twice(_check_world_4)
+    measured_twice(_check_world_4)
 
 
 def _check_world_2():
