@@ -18,7 +18,7 @@ def test_threshold_formula():
 @pytest.mark.slow
 def test_exposed_below_the_threshold_hidden_above_as_the_notebook_measures():
     def check():
-        result = measure_overlap(sizes=(64, 128, 1024, 1536), threshold=512)
+        result = measure_overlap(sizes=(64, 128, 1536, 2048), threshold=512)
         assert result["threshold"] == pytest.approx(512)
         link = result["link"]
         for n, row in result["sizes"].items():

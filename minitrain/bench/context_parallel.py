@@ -79,7 +79,7 @@ def main(argv=None) -> int:
 
 
 def _overlap() -> bool:
-    result = measure_overlap(sizes=(64, 128, 1024, 1536), threshold=512)
+    result = measure_overlap(sizes=(64, 128, 1536, 2048), threshold=512)
     print(f"\noverlap threshold on a modeled link, P = 2, forward, not causal, batch·heads = 8, d = 64"
           f"\n  {describe(result['link'])}\n  predicted threshold e·F/(2W) = "
           f"{result['threshold']:.0f} tokens per rank")

@@ -259,7 +259,7 @@ def _rank_overlap(sizes, threshold, batch_heads, head_dim, repeats):
     return {"flops": flops, "link": link, "sizes": out}
 
 
-def measure_overlap(sizes=(64, 128, 1024, 1536), threshold=512, batch_heads=8, head_dim=64,
+def measure_overlap(sizes=(64, 128, 1536, 2048), threshold=512, batch_heads=8, head_dim=64,
                     world_size=2, repeats=3, timeout=300) -> dict:
     """Ring attention's forward (non-causal, fp32) on ``world_size`` ranks over a modeled link
     whose bandwidth puts the overlap threshold e·F/(2W) at ``threshold`` tokens per rank, F this

@@ -14,6 +14,8 @@ import statistics
 import torch
 import torch.distributed as dist
 
+from minitrain.ddp.data_parallel import DataParallel
+from minitrain.model import GPT, GPTConfig, lm_loss
 from minitrain.runtime import (
     device_clock,
     get_device,
@@ -128,9 +130,6 @@ QUICK_MODEL = dict(vocab_size=128, seq_len=32, n_layer=2, n_head=4, d_model=128)
 def _build(name, kwargs, config, bucket_mb):
     from torch.nn.parallel import DistributedDataParallel
 
-    from minitrain.ddp import DataParallel
-    from minitrain.model import GPT, GPTConfig
-
     torch.manual_seed(0)
     with torch.device(get_device()):  # built where this rank computes
         model = GPT(GPTConfig(**config))
@@ -183,8 +182,6 @@ def _unmodeled_backward(name, kwargs, config, bucket_mb, x, y) -> float:
 def _take_turns(models: dict, opts: dict, x, y, steps: int) -> tuple[dict, dict]:
     """Each variant one step per round: {name: step times of the untraced rounds}, {name:
     trace events of each traced round}."""
-    from minitrain.model import lm_loss
-
     device = get_device()
     times = {name: [] for name in models}
     step_events = {name: [] for name in models}
