@@ -74,22 +74,18 @@ class GPTConfig:
 
 
 def gpt_num_params(config: GPTConfig) -> int:
-    """Exact number of parameters of ``GPT(config)``.
+    """Exact number of parameters of ``GPT(config)``, counted from the config alone.
 
-    With h = d_model, f = d_ff, v = vocab_size, s = seq_len, L = n_layer:
-    embeddings v*h + s*h; per block 4h^2 + 2hf weights (attention q, k, v, out and
-    the MLP's two matrices) and the two LayerNorms' gains 2h (always there), plus, with
-    biases (``config.bias``), 4h + f + h (Linear biases) + 2h (the LayerNorms' biases); the
-    final LayerNorm (gain, and bias with biases); the LM head v*h (no bias) unless tied
-    (``config.tie_weights``: the head *is* the token embedding, counted once). For f = 4h
-    and biases: v*h + s*h + L*(12h^2 + 13h) + 2h (+ v*h). Kaplan et al. 2020, Table 1,
-    count the same terms. With ``config.moe_experts`` = E > 0 every block's MLP is chapter
-    8's mixture of experts instead: a router (an E x h matrix, no bias) and E experts, each
-    an MLP of width f *with* its two biases whatever ``config.bias`` says. Returns an int
-    equal to ``sum(p.numel() for p in GPT(config).parameters())``, for every config.
+    Returns an int equal to ``sum(p.numel() for p in GPT(config).parameters())`` (a tensor
+    shared by two modules counted once) for every config: any ``d_ff``, with and without
+    ``config.bias``, with ``config.tie_weights``, and with ``config.moe_experts`` > 0 (every
+    block's MLP is then chapter 8's mixture of experts, built by ``apply_moe``). What each
+    module holds is in this file's classes (``Block``, ``CausalSelfAttention``, ``MLP``,
+    ``GPT``) and in ``minitrain.moe``; the notebook derives the dense count before this
+    exercise — reproduce it from the code, not from a model you build (the chapter uses it
+    for sizes no machine here could allocate).
     """
     ### BEGIN SOLUTION
-    # HINT: count one block, then multiply; bias=False removes biases only, never gains
     h, f, v, s, L = (config.d_model, config.d_ff, config.vocab_size, config.seq_len, config.n_layer)
     b = 1 if config.bias else 0
     attention = 4 * h * h + b * 4 * h  # q, k, v, out projections

@@ -51,15 +51,18 @@ def split_micro_batches(x: torch.Tensor, y: torch.Tensor, micro_batch_size: int)
 def accumulate_gradients(model, micro_batches, loss_fn=None) -> float:
     """Forward and backward over every micro-batch, summing gradients in ``.grad``.
 
-    Afterwards ``.grad`` equals the gradient of the mean loss over *all* tokens of all
-    micro-batches, as one big batch would give. Each micro-batch's loss is a mean over
-    its own n_i targets, so it is scaled by n_i / N (N = total targets) before backward:
-    sum_i (n_i / N) mean_i = mean over all N. With equal micro-batches that is 1/GA.
-    ``loss_fn(logits, targets)`` defaults to ``lm_loss``. Returns the mean loss (a float).
-    Does not zero ``.grad`` first: the caller decides (DDP's no_sync relies on that).
+    ``micro_batches``: a list of (inputs, targets) pairs, of any sizes (the last may be
+    smaller); ``loss_fn(logits, targets)`` (default ``lm_loss``) returns the *mean* loss over
+    its targets. Afterwards each parameter's ``.grad`` has gained the gradient of the mean
+    loss over *all* targets of all micro-batches — exactly what one backward of the whole
+    batch would give (the grader compares with that, to 1e-9 in float64, with unequal
+    micro-batches too). Returns that mean loss, a Python float.
+
+    Does not zero ``.grad`` first: the caller decides (DDP's ``no_sync`` relies on that).
+    Each micro-batch's graph is freed by its own backward before the next forward: holding
+    one micro-batch's activations at a time is the point of accumulating.
     """
     ### BEGIN SOLUTION
-    # HINT: count the targets first (targets.numel()), then backward each scaled loss
     loss_fn = loss_fn or lm_loss
     total = sum(y.numel() for _, y in micro_batches)
     if total == 0:

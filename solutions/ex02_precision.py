@@ -19,15 +19,17 @@ def round_significand(sig: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """Drop the lowest `shift` bits of the integer significands `sig`, rounding to nearest, ties
     to even (IEEE 754 roundTiesToEven, section 4.3.1).
 
-    Both are int64 tensors of the same shape, `shift >= 1`. Returns `q`, the kept integer, so that
-    `q * 2**shift` is the multiple of `2**shift` nearest to `sig`; when `sig` lies exactly halfway
-    between two multiples, the one with an even `q` wins. Examples: sig=0b1011, shift=2 -> 3
-    (remainder 0b11 is more than half); sig=0b1010, shift=2 -> 2 (a tie, 2 is even);
-    sig=0b1110, shift=2 -> 4 (a tie, 3 is odd so round up to 4).
+    `sig` and `shift` are int64 tensors of the same shape, `0 <= sig < 2**53` (a float64
+    significand) and `1 <= shift <= 54`, element by element (``FloatFormat.round`` calls it
+    once for a whole tensor: work on tensors, no Python loop over elements). Returns `q`, an int64
+    tensor of that shape: the integer for which `q * 2**shift` is the multiple of `2**shift`
+    nearest to `sig`; when `sig` lies exactly halfway between two multiples, the one with
+    an even `q`. Examples: sig=0b1011, shift=2 -> 3 (0b1011 is 11; 12 = 3 * 4 is nearest);
+    sig=0b1010, shift=2 -> 2 (10 is halfway between 8 and 12: 2 is even);
+    sig=0b1110, shift=2 -> 4 (14 is halfway between 12 and 16: 4 is even). The grader
+    compares with exact rational rounding on random and on tied significands up to 2**53.
     """
     ### BEGIN SOLUTION
-    # HINT: split each value into the bits kept and the bits dropped; the dropped bits decide,
-    # HINT: compared with exactly half of one unit of the kept ones — and a tie goes to even
     one = torch.ones_like(sig)
     q = sig >> shift
     remainder = sig - (q << shift)
@@ -41,20 +43,23 @@ class FloatFormat:
     # Only the methods you write; the rest of the class is in minitrain.precision.formats.
 
     def decode(self, bits: int) -> float:
-        """The value of the bit pattern `bits` (an int in [0, 2**self.bits)).
+        """The value of the bit pattern `bits` (an int in [0, 2**self.bits)), as a Python float.
 
-        Layout, most significant first: sign S, exponent field E, mantissa field M.
-        Normal (0 < E < all ones): (-1)^S * (1 + M / 2**mantissa_bits) * 2**(E - bias).
-        Subnormal (E == 0):        (-1)^S * (M / 2**mantissa_bits) * 2**(1 - bias).
-        All-ones E: inf if M == 0 and NaN otherwise (IEEE formats); when `has_inf` is False
-        only M all ones is NaN and every other pattern is an ordinary normal number.
+        Layout, most significant first: sign S (1 bit), exponent field E (`exponent_bits`),
+        mantissa field M (`mantissa_bits`); the value rules are IEEE 754's (section 3.4):
+        normal (0 < E < all ones): (-1)^S * (1 + M / 2**mantissa_bits) * 2**(E - bias);
+        subnormal (E == 0): (-1)^S * (M / 2**mantissa_bits) * 2**(1 - bias) — zero included,
+        with its sign (-0.0 for S = 1); all-ones E: inf (with its sign) if M == 0 and NaN
+        otherwise (IEEE formats); when `has_inf` is False only M all ones is NaN and every
+        other all-ones-E pattern is an ordinary normal number. Every value of these formats is
+        a float64 exactly. The grader decodes every pattern of FP16, BF16 and both FP8 formats
+        and compares with torch's reading of the same bits.
         """
         if not isinstance(bits, int) or not 0 <= bits < 2**self.bits:
             raise ValueError(
                 f"{self.name} bit pattern must be an int in [0, 2**{self.bits}), got {bits!r}"
             )
         ### BEGIN SOLUTION
-        # HINT: extract the fields with >> and & ((1 << n) - 1); math.ldexp(m, e) is m * 2**e
         m_bits = self.mantissa_bits
         sign = -1.0 if (bits >> (self.exponent_bits + m_bits)) & 1 else 1.0
         exponent = (bits >> m_bits) & ((1 << self.exponent_bits) - 1)
@@ -74,18 +79,22 @@ class DynamicLossScaler:
     # Only the methods you write; the rest of the class is in minitrain.precision.loss_scaling.
 
     def update(self) -> None:
-        """Adapt S after the iteration (dynamic loss scaling, torch.amp.GradScaler's rule).
+        """Adapt the scale S after the iteration: torch.amp.GradScaler's rule, exactly.
 
-        If any optimizer saw inf/NaN: S = S * backoff_factor and the growth tracker restarts
-        at 0. Otherwise the tracker counts one more clean step; when it reaches
-        growth_interval, S = S * growth_factor (only if that is finite) and it restarts at 0.
-        Keep S a float32 tensor: compute in float64 and round, `(S.double() * f).float()`.
+        Reads `found_inf` (did any optimizer's `unscale_` see inf/NaN this iteration) and
+        updates `self._scale` (S, a 1-element float32 tensor) and `self._growth_tracker` (an
+        int: the clean iterations counted towards the next growth). The policy: an overflow
+        shrinks S by `backoff_factor` at once; `growth_interval` clean iterations in a row grow
+        it by `growth_factor` — unless the grown S would not be finite, when S stays. S stays
+        float32 and each product is computed in float64 and rounded once,
+        `(S.double() * f).float()`, so the values are GradScaler's bit for bit. The grader runs
+        both side by side for 20 iterations with injected overflows (two in a row among them)
+        and compares S after every one.
         """
         if not self._found_inf:
             raise RuntimeError("No inf checks were recorded prior to update(): call step() first.")
         found_inf = any(self._found_inf.values())
         ### BEGIN SOLUTION
-        # HINT: self._scale, self._growth_tracker, self.growth_factor, self.backoff_factor
         if found_inf:
             self._scale = (self._scale.double() * self.backoff_factor).float()
             self._growth_tracker = 0
@@ -106,18 +115,22 @@ class MasterWeightOptimizer:
     # Only the methods you write; the rest of the class is in minitrain.precision.master_weights.
 
     def step(self) -> None:
-        """One optimizer step on the fp32 masters, then copy them back into the model.
+        """One optimizer step on the fp32 masters; the model's parameters follow.
 
-        The masters' `.grad` already hold the fp32 gradients. After `self.optimizer.step()`,
-        write each master into its model parameter (`copy_` rounds to the model's dtype, to
-        nearest even); the master keeps the digits the low-precision copy cannot hold.
+        On entry each master's `.grad` holds its fp32 gradient. `self.optimizer` was built over
+        `self.master_params` (fp32 copies; it never sees the model's parameters);
+        `self.model_params[i]` is the model parameter of `self.master_params[i]`. Afterwards
+        each master is the optimizer's update of itself, and each model parameter holds its
+        master rounded to the parameter's dtype, to nearest even (what `copy_` into a bf16 or
+        fp16 tensor does) — so an update smaller than the low-precision spacing is kept in the
+        master and reaches the model once the sum is large enough. Writing into a parameter
+        that requires grad must happen outside autograd.
         """
         ### BEGIN SOLUTION
-        # HINT: self.optimizer, self.model_params, self.master_params; use torch.no_grad()
         self.optimizer.step()
         with torch.no_grad():
             for p, m in zip(self.model_params, self.master_params):
                 p.copy_(m)
         ### END SOLUTION
 
-# minitrain-exercises-hash: 91b80b86ca1b4a32
+# minitrain-exercises-hash: 53d2bbb765f9ff3b

@@ -22,27 +22,28 @@ from minitrain.runtime.point_to_point import ring_neighbours
 
 def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
                         group: ProcessGroup | None = None) -> torch.Tensor:
-    """Sum ``input`` over all ranks and leave chunk r of the sum in ``output`` on rank r.
+    """Sum ``input`` over the ranks of ``group``; leave chunk r of the sum in ``output`` on rank r.
 
-    ``input`` (n elements, not modified) is split into N chunks as by
-    ``input.view(-1).tensor_split(N)``; ``output`` must have as many elements as this
-    rank's chunk. N-1 steps: at step s rank r sends chunk (r-s-1) mod N — its own input
-    chunk at s = 0, afterwards the partial sum it built at step s-1 — to its successor,
-    receives the partial sum of chunk (r-s-2) mod N from its predecessor and adds its
-    own input chunk to it. After the last step the chunk it completes is chunk r.
-    Each rank sends n - |chunk r| elements. ``output`` may be a view of ``input``'s
-    chunk r (ring_all_reduce relies on that). Returns ``output``.
+    Chunks are as by ``input.view(-1).tensor_split(N)`` (N ranks; some chunks are empty
+    when n < N, and n may be 0); ``output`` (checked above) has as many elements as this
+    rank's chunk, and the same dtype; the sum is computed in that dtype. ``group`` (None:
+    every rank): the ranks taking part, numbered within the group. Returns ``output``.
 
-    With one rank (N = 1) there are no steps and nothing is sent, but ``output`` must still
-    receive the sum — the input itself, copied (DataParallel on one rank runs this path).
+    Requirements and why:
+    - never write into ``input``: the caller still needs it, and ``output`` may be a view of
+      ``input``'s chunk r (``ring_all_reduce`` relies on that);
+    - send only with ``exchange``: a ring of sends and receives issued together cannot
+      deadlock, and the grader counts its bytes — each rank sends exactly
+      n - |chunk r| elements, no more;
+    - with one rank nothing is sent, but ``output`` still receives the sum: the input
+      itself, copied (DataParallel on one rank runs this path).
 
-    May use: ``ring_neighbours(group)`` (predecessor, successor),
-    ``exchange(send, to, recv, frm, group)`` (sends and receives at once, counting the
-    bytes sent), ``scratch_buffers(n, like)`` (two scratch tensors of n elements),
-    ``sizes`` (every chunk's length). Requirements and why: never write into ``input``
-    (the caller still needs it, and ``output`` may alias chunk r of it), and send with
-    ``exchange`` (sending and receiving together cannot deadlock, and the grader counts
-    its bytes).
+    May use (above, or imported): ``flat_in`` / ``flat_out`` (1-d views), ``rank``,
+    ``world``, ``sizes`` (every chunk's length), ``ring_neighbours(group)`` (predecessor,
+    successor, as global ranks), ``exchange(send, to, recv, frm, group)`` (sends one tensor
+    while receiving another; empty tensors are skipped on both ends), and
+    ``scratch_buffers(n, like)`` (two scratch tensors of n elements, reused from call to
+    call: a fresh buffer per call costs page faults).
     """
     name = "ring_reduce_scatter"
     flat_in, flat_out = _flat(input, name, "input"), _flat(output, name, "output")
@@ -56,9 +57,6 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
             f"input of {flat_in.numel()} elements over {world} ranks has {sizes[rank]}"
         )
     ### BEGIN SOLUTION
-    # HINT: the partial sum you pass on cannot live in the input (it must stay unmodified) nor
-    # HINT: in the buffer you are receiving into: one scratch buffer receives, another holds
-    # HINT: the sum being sent; only the last step's sum goes into output
     chunks = flat_in.tensor_split(world)
     prev_rank, next_rank = ring_neighbours(group)
     if world == 1:
@@ -82,12 +80,15 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor,
                     group: ProcessGroup | None = None) -> torch.Tensor:
     """Fill ``output`` on every rank with every rank's ``input``, rank r's input as chunk r.
 
-    ``output`` (n elements) is split as by ``output.view(-1).tensor_split(N)``; ``input``
-    must have as many elements as chunk r. Rank r first copies its input into chunk r.
-    N-1 steps: at step s rank r sends chunk (r-s) mod N to its successor and receives
-    chunk (r-s-1) mod N from its predecessor, straight into ``output``. Each rank sends
-    n - |chunk r+1| elements. ``input`` may be a view of ``output``'s chunk r.
-    Returns ``output``.
+    Chunks are as by ``output.view(-1).tensor_split(N)`` (some may be empty when n < N);
+    ``input`` (checked above) has as many elements as this rank's chunk, and the same dtype.
+    ``group`` (None: every rank): the ranks taking part. Returns ``output``; ``input`` is
+    not modified, and it may be a view of ``output``'s chunk r.
+
+    Requirements and why: send only with ``exchange`` (cannot deadlock, and the grader
+    counts its bytes): each rank sends exactly n - |chunk (r+1) mod N| elements — nothing
+    twice, and no extra buffer or copy: every message can land where it belongs. With one
+    rank nothing is sent. May use what ``ring_reduce_scatter`` may.
     """
     name = "ring_all_gather"
     flat_in, flat_out = _flat(input, name, "input"), _flat(output, name, "output")
@@ -101,7 +102,6 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor,
             f"output of {flat_out.numel()} elements over {world} ranks has {sizes[rank]}"
         )
     ### BEGIN SOLUTION
-    # HINT: after copying the input into chunk r, every step forwards the chunk received last
     chunks = flat_out.tensor_split(world)
     prev_rank, next_rank = ring_neighbours(group)
     chunks[rank].copy_(flat_in)
@@ -113,16 +113,17 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor,
 
 
 def ring_all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
-    """Sum ``tensor`` over all ranks, in place: a ring reduce-scatter, then a ring all-gather.
+    """Sum ``tensor`` over the ranks of ``group``, in place, with this chapter's ring collectives.
 
-    Afterwards every rank holds the same sum, bit for bit (the all-gather copies the one
-    sum each chunk's owner computed). Each rank sends 2n - |chunk r| - |chunk r+1|
-    elements, i.e. 2(N-1)/N·n when N divides n. Returns ``tensor``.
+    Afterwards every rank holds the same sum, bit for bit (the grader compares the ranks),
+    in ``tensor`` itself, which is returned. Each rank sends exactly
+    2n - |chunk r| - |chunk (r+1) mod N| elements (chunks as by ``tensor_split(N)``), i.e.
+    2(N-1)/N·n when N divides n — the ring all-reduce's cost, which the grader counts; no
+    new buffer or copy of the tensor is needed. May use ``ring_reduce_scatter`` and
+    ``ring_all_gather`` (graded with the library's versions of them) and ``flat`` (above).
     """
     flat = _flat(tensor, "ring_all_reduce", "tensor")
     ### BEGIN SOLUTION
-    # HINT: what the reduce-scatter leaves on rank r is exactly what the all-gather needs from
-    # HINT: rank r — and it may stay where it is, inside the tensor: no copy, no new buffer
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     mine = flat.tensor_split(world)[rank]
     ring_reduce_scatter(mine, flat, group)
@@ -132,18 +133,22 @@ def ring_all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None) -> 
 
 
 def assign_buckets(params: list[torch.Tensor], bucket_cap_bytes: float) -> list[list[int]]:
-    """Group parameters into buckets in the order their gradients become ready.
+    """Group parameters into buckets, each filled by gradients arriving one after another.
 
-    ``params`` are in registration order; backward produces gradients roughly in
-    *reverse* order, so walk them from last to first. Add each parameter to the open
-    bucket; close the bucket once it holds ≥ ``bucket_cap_bytes`` bytes (so a bucket may
-    overshoot by its last parameter: one larger than the cap closes the bucket it joins). A bucket is one flat buffer, so a parameter whose dtype or device differs
-    from the open bucket's closes that bucket first. Returns lists of indices into
-    ``params``: e.g. sizes [4, 4, 4] bytes with a cap of 8 give [[2, 1], [0]].
+    ``params`` are in registration order (the order forward uses them); a bucket is one flat
+    buffer whose all-reduce starts when its last gradient arrives in backward, so a bucket
+    holds parameters whose gradients arrive together, in the order backward produces them.
+    Returns a list of buckets, each a list of indices into ``params``: every index exactly
+    once, each bucket's indices in the order their gradients arrive, the buckets in the
+    order they fill. The rules (each graded):
+    - a bucket closes once its bytes (``numel() * element_size()``) reach
+      ``bucket_cap_bytes``, so it may overshoot by its last parameter, and a parameter
+      larger than the cap joins the open bucket and closes it (cap 0: one bucket per
+      parameter; ``math.inf``: one bucket);
+    - a bucket holds one dtype and one device: a parameter whose dtype or device differs
+      from the open bucket's closes that bucket first.
     """
     ### BEGIN SOLUTION
-    # HINT: walk the parameters in the order their gradients arrive in backward, which is not
-    # HINT: the order they are listed in; count bytes, not elements
     buckets, current, current_bytes = [], [], 0
     for i in reversed(range(len(params))):
         p = params[i]
@@ -189,11 +194,16 @@ class DataParallel:
         - launch only through ``_launch_ready_buckets``, never a bucket directly: every rank
           must issue its all-reduces in the same (bucket) order, or collectives pair up wrong
           and deadlock; with ``overlap`` off nothing launches here (the end-of-backward
-          callback launches everything).
+          callback launches everything);
+        - a gradient put in place is counted in ``self._ready`` and ``bucket.ready``: the
+          end-of-backward callback fills the slots of the parameters not in ``_ready`` (ones
+          that got no gradient) and launches a bucket only once it is counted full.
+
+        The grader trains on 2 and 4 ranks against one process on the whole batch, checks
+        that an all-reduce starts before backward ends (overlap on) and none during backward
+        with overlap off, and that a backward inside ``no_sync()`` launches nothing.
         """
         ### BEGIN SOLUTION
-        # HINT: check the no_sync case first; each other call is one slot filled and one
-        # HINT: more parameter counted ready in its bucket
         if not self._sync_enabled:
             return
         self._start_sync()
@@ -210,4 +220,4 @@ class DataParallel:
             self._launch_ready_buckets()
         ### END SOLUTION
 
-# minitrain-exercises-hash: 2a0e6513fe0b0a16
+# minitrain-exercises-hash: a3d56a76d33e5611

@@ -32,8 +32,6 @@ def partition_parameters(sizes: list[int], world_size: int) -> list[list[int]]:
     (8 and 6 elements; the best split is 7 and 7: greedy's largest load is within 4/3 of the best).
     """
     ### BEGIN SOLUTION
-    # HINT: keep a running load per rank; the order in which you place the parameters and how
-    # HINT: you break ties between equally loaded ranks both matter (the answer is unique)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     loads, owned = [0] * world_size, [[] for _ in range(world_size)]
@@ -70,7 +68,6 @@ class ShardedOptimizer:
           expects, so the log matches chapter 4's (N-1)/N formula.
         """
         ### BEGIN SOLUTION
-        # HINT: an all-gather needs equal pieces: every rank pads its share to the largest one
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -118,10 +115,9 @@ class ZeroDataParallel:
         Requirements and why: block ``index`` cannot compute before its own parameters are
         whole; block ``index + 1``'s gather must be *in flight* — started, not waited for —
         while block ``index`` computes, so the transfer hides behind the compute (Rajbhandari
-        et al. 2020, section 5.2: prefetching); waiting for it here would serialise them again.
+        et al. 2020, section 7.2.2: prefetching); waiting for it here would serialise them again.
         """
         ### BEGIN SOLUTION
-        # HINT: self._start_gather(unit) launches an asynchronous all-gather
         self._wait_gather(self.units[index])
         if index + 1 < len(self.blocks):
             self._start_gather(self.units[index + 1])
@@ -144,7 +140,6 @@ class ZeroDataParallel:
         grad enabled and an output that requires grad).
         """
         ### BEGIN SOLUTION
-        # HINT: output.register_hook(fn) calls fn(grad) when the gradient of output is known
         trace.record(f"forward block {index}", "compute", self._block_start, trace.now(self.device))
         self._free(self.units[index])
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:
@@ -170,7 +165,6 @@ class FullyShardedDataParallel:
         whose prefetched gather is still held, and only this hook can return that memory.
         """
         ### BEGIN SOLUTION
-        # HINT: self.units[:index] are the earlier units; _free and _wait_gather accept None
         self._gather_in_order(index + 1)
         for earlier in self.units[:index]:
             self._free(earlier)
@@ -194,7 +188,6 @@ class FullyShardedDataParallel:
         backward then runs on freed parameters.
         """
         ### BEGIN SOLUTION
-        # HINT: tensor.register_hook(fn) calls fn(grad) when backward reaches that tensor
         trace.record(f"forward block {index}", "compute", self._unit_start, trace.now(self.device))
         self._free(self.units[index])
         for t in tensors_requiring_grad(output) if torch.is_grad_enabled() else []:
@@ -220,7 +213,6 @@ class FullyShardedDataParallel:
         and stores it); count bytes, not elements (the log compares with bandwidth).
         """
         ### BEGIN SOLUTION
-        # HINT: dist.all_reduce(tensor, group=..., async_op=True) returns a work handle too
         start, buf = trace.now(self.device), u.grad_full
         if u.keep_full:
             out, kind = buf, "all_reduce"
@@ -232,4 +224,4 @@ class FullyShardedDataParallel:
         self._pending.append((u, out, timed(work), start))
         ### END SOLUTION
 
-# minitrain-exercises-hash: 71564b0d57396f89
+# minitrain-exercises-hash: 02100d80ba6e69bb

@@ -27,7 +27,6 @@ class CopyToParallelRegion:
         on ``ctx`` for backward. No communication here: every rank already holds all of x.
         """
         ### BEGIN SOLUTION
-        # HINT: what backward will need is not a tensor — it can live on ctx as an attribute
         ctx.group = group
         return x.view_as(x)  # a view, not x itself: autograd wants a new output tensor
         ### END SOLUTION
@@ -42,7 +41,6 @@ class CopyToParallelRegion:
         which autograd may share) and ``ctx.group``.
         """
         ### BEGIN SOLUTION
-        # HINT: the gradient of a value copied to every rank is the sum of what each rank sends back
         return all_reduce(grad.contiguous().clone(), ctx.group), None
         ### END SOLUTION
 
@@ -58,7 +56,6 @@ class ReduceFromParallelRegion:
         may have saved it). May use ``all_reduce(tensor, group)``.
         """
         ### BEGIN SOLUTION
-        # HINT: in-place collectives change what they are given: give them something of your own
         return all_reduce(x.contiguous().clone(), group)
         ### END SOLUTION
 
@@ -69,7 +66,6 @@ class ReduceFromParallelRegion:
         x_0 + ... + x_{t-1}, so d(out)/d(x_r) is the identity for every r.
         """
         ### BEGIN SOLUTION
-        # HINT: the sum's gradient is the same on every rank: pass it through
         return grad, None
         ### END SOLUTION
 
@@ -97,8 +93,6 @@ class ColumnParallelLinear:
         (q, k, v), and doing it again would sum the gradient twice.
         """
         ### BEGIN SOLUTION
-        # HINT: three independent choices: how the input enters (two flags), the matmul on this
-        # HINT: rank's rows, and whether the slices are joined afterwards
         if self.communicate_input and self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.group)
         elif self.communicate_input:
@@ -131,8 +125,6 @@ class RowParallelLinear:
         of the bias drift apart).
         """
         ### BEGIN SOLUTION
-        # HINT: a partial product per rank, a sum (or a sum scattered along the sequence), and
-        # HINT: only then the bias — whose gradient must come out whole on every rank
         if not self.input_is_parallel:
             x = scatter_to_parallel_region(x, self.group)
         partial = F.linear(x, self.weight)  # this rank's share of the sum; no bias yet
@@ -171,8 +163,6 @@ class VocabParallelCrossEntropy:
         fp32's range and digits).
         """
         ### BEGIN SOLUTION
-        # HINT: three numbers per token cross the group; a target id belongs to exactly one
-        # HINT: rank's slice — the others contribute 0 to its logit
         rank, _ = group_rank_and_size(group)
         v_local = logits_shard.shape[-1]
         z = logits_shard.to(torch.promote_types(logits_shard.dtype, torch.float32))
@@ -203,7 +193,6 @@ class VocabParallelCrossEntropy:
         one-hot's 1 lies on the one rank that holds the target's column.
         """
         ### BEGIN SOLUTION
-        # HINT: the softmax of your columns, minus 1 where your slice holds the target
         softmax, safe, mine = ctx.saved_tensors
         grad = softmax.clone()
         grad.scatter_add_(-1, safe, -mine.unsqueeze(-1).to(grad.dtype))
@@ -211,4 +200,4 @@ class VocabParallelCrossEntropy:
         return grad.to(ctx.input_dtype), None, None
         ### END SOLUTION
 
-# minitrain-exercises-hash: 80b5f12e73dbb910
+# minitrain-exercises-hash: d1673e859c544f6a

@@ -14,11 +14,13 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from minitrain.checkpointing import set_checkpointing
 from minitrain.pipeline.check import ScheduleError, dependencies, simulate
-from minitrain.pipeline.executor import PipelineStage, StepState
+from minitrain.pipeline.executor import PipelineStage
 from minitrain.pipeline.messages import Message, message_plan, post_group
 from minitrain.pipeline.partition import StageChunk, split_blocks
 from minitrain.pipeline.schedules import check_sizes, resolve_schedule
 from minitrain.pipeline.step_messages import LOSS_TAG, average_gradients, post_loss_receive, share_loss
+from minitrain.pipeline.step_state import StepState
+from minitrain.pipeline.weight_grad import LinearCalls, backward_input, w_parameters
 from minitrain.runtime import trace
 
 
@@ -32,8 +34,6 @@ def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> list[list[tu
     """
     check_sizes(num_stages, num_microbatches)
     ### BEGIN SOLUTION
-    # HINT: stage s can start its first backward only after the last stage has run its
-    # HINT: forward of micro-batch 0: it needs p - s - 1 forwards of head start, then one more.
     p, m = num_stages, num_microbatches
     schedule = []
     for s in range(p):
@@ -55,27 +55,25 @@ def run_action(stage: PipelineStage, action: tuple, state: StepState) -> None:
       grad, so backward yields its gradient); ``stage.forward`` returns (input activation,
       output); keep both in ``state.saved``; send the output to ``v + 1`` unless last.
     - ``("B", mb[, c])``: the output gradient comes from virtual stage ``v + 1`` (none on the
-      last: the output is the loss); backpropagate; send the input's gradient to ``v - 1``
-      unless this is the first. With ``state.split_backward`` (zero bubble) backpropagate
-      into the input only, keep the graph (``retain_graph=True``) and park the gradient in
-      ``state.pending_w`` for W; otherwise drop the saved pair.
-    - ``("W", mb[, c])``: backpropagate the parked gradient into the chunk's parameters
-      (``stage.chunk_parameters(c)``) and drop the saved pair. When the backward was not
-      split (``state.split_backward`` False: a schedule with W run with checkpointing, as
-      notebook 07 does) B did all the work and W does nothing.
+      last: the output is the loss); send the input's gradient to ``v - 1`` unless this is
+      the first; the saved pair is no longer needed. With ``state.split_backward`` (zero
+      bubble) B computes the input's gradient and leaves the weight GEMMs to W
+      (``stage.backward_input``: it parks W's work in ``state.pending_w``); otherwise
+      (``stage.backward``) it computes every gradient.
+    - ``("W", mb[, c])``: the weight gradients B parked for it (``stage.backward_weights``).
+      When the backward was not split (``state.split_backward`` False: a schedule with W run
+      with checkpointing, as notebook 07 does) B did all the work and W does nothing.
 
     Returns nothing; everything lives in ``state`` (``inputs``, ``saved``, ``pending_w``,
     ``split_backward``). May use: ``stage.virtual_stage(c)``, ``stage.is_first(c)``,
     ``stage.is_last(c)``, ``stage.forward(c, mb, x, state)``, ``stage.backward(name, out,
-    grad, inputs=None, retain_graph=False)``, ``stage.send(kind, mb, tensor, to_virtual,
-    state)``, ``stage.recv(kind, mb, from_virtual, state, like=None)``,
-    ``stage.chunk_parameters(c)``. Why the received activation must require grad: backward
+    grad)``, ``stage.backward_input(name, c, mb, out, grad, x, state)`` (returns the input's
+    gradient, None on the first virtual stage), ``stage.backward_weights(name, c, work)``,
+    ``stage.send(kind, mb, tensor, to_virtual, state)``, ``stage.recv(kind, mb,
+    from_virtual, state, like=None)``. Why the received activation must require grad: backward
     stops at leaves that do not, and the previous stage waits for that input's gradient.
     """
     ### BEGIN SOLUTION
-    # HINT: a chunk is one virtual stage: activations flow to the next virtual stage,
-    # HINT: gradients to the previous; the first has no one to receive from, the last no
-    # HINT: one to send to
     kind, mb = action[0], action[1]
     c = action[2] if len(action) > 2 else 0
     v, key = stage.virtual_stage(c), (mb, c)
@@ -90,19 +88,17 @@ def run_action(stage: PipelineStage, action: tuple, state: StepState) -> None:
         if not stage.is_last(c):
             stage.send("F", mb, out, v + 1, state)
     elif kind == "B":
-        x, out = state.saved[key]
+        x, out = state.saved.pop(key)
         grad = None if stage.is_last(c) else stage.recv("B", mb, v + 1, state, like=out)
-        if state.split_backward:  # the input gradient only; keep the graph for W
-            stage.backward(name, out, grad, inputs=[x], retain_graph=True)
-            state.pending_w[key] = grad
+        if state.split_backward:  # the input gradient only: W's GEMMs are parked
+            x_grad = stage.backward_input(name, c, mb, out, grad, x, state)
         else:
             stage.backward(name, out, grad)
-            del state.saved[key]
+            x_grad = None if stage.is_first(c) else x.grad
         if not stage.is_first(c):
-            stage.send("B", mb, x.grad, v - 1, state)
+            stage.send("B", mb, x_grad, v - 1, state)
     elif kind == "W" and key in state.pending_w:
-        _, out = state.saved.pop(key)
-        stage.backward(name, out, state.pending_w.pop(key), inputs=stage.chunk_parameters(c))
+        stage.backward_weights(name, c, state.pending_w.pop(key))
     ### END SOLUTION
 
 
@@ -124,9 +120,6 @@ def bubble_fraction(schedule, num_chunks: int = 1) -> Fraction:
     1/7 compares equal to 1/7.
     """
     ### BEGIN SOLUTION
-    # HINT: an action's finish time depends only on its stage's previous action and on its
-    # HINT: dependencies' finish times: record each as it becomes computable, and notice when
-    # HINT: a whole pass over the stages computes nothing
     p, cost = len(schedule), Fraction(1, num_chunks)
     finish, free, position = {}, [Fraction(0)] * p, [0] * p
     while any(position[s] < len(schedule[s]) for s in range(p)):
@@ -148,4 +141,4 @@ def bubble_fraction(schedule, num_chunks: int = 1) -> Fraction:
     return 1 - busy / (p * max(free))
     ### END SOLUTION
 
-# minitrain-exercises-hash: 2ebc7bed3be32281
+# minitrain-exercises-hash: 6af3c4c268147707

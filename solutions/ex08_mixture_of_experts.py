@@ -27,9 +27,6 @@ def top_k_routing(probs: torch.Tensor, top_k: int, capacity: int,
     choice rank the earlier token first — so the *last* tokens of a batch are dropped.
     """
     ### BEGIN SOLUTION
-    # HINT: torch.topk on probs (+ bias) gives the indices; gather probs at them for weights
-    # HINT: one-hot the indices choice-major, i.e. (k, T, E); a cumsum over the flattened
-    # HINT: k·T rows numbers each assignment within its expert (0, 1, 2, ...)
     scores = probs if selection_bias is None else probs + selection_bias
     indices = torch.topk(scores, top_k, dim=-1).indices  # (T, k)
     chosen = probs.gather(-1, indices)
@@ -52,8 +49,6 @@ def sort_by_expert(rows: torch.Tensor, expert_of_row: torch.Tensor, num_experts:
     Differentiable in ``rows``.
     """
     ### BEGIN SOLUTION
-    # HINT: one sort of the expert ids gives the permutation — ties are the rule here, and
-    # HINT: their order must not be left to chance; a count per expert must include empty ones
     order = torch.argsort(expert_of_row, stable=True)
     counts = torch.bincount(expert_of_row, minlength=num_experts)
     return rows[order], order, counts
@@ -67,7 +62,6 @@ def unsort(sorted_rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     Differentiable in ``sorted_rows`` (its gradient is the forward permutation).
     """
     ### BEGIN SOLUTION
-    # HINT: row i goes back to position order[i]: a write at indices, not a read at them
     out = sorted_rows.new_zeros(sorted_rows.shape)
     return out.index_copy(0, order, sorted_rows)
     ### END SOLUTION
@@ -92,8 +86,6 @@ def load_balancing_loss(router_probs: torch.Tensor, expert_indices: torch.Tensor
         raise ValueError(f"router_probs must be (tokens, {num_experts}), got "
                          f"{tuple(router_probs.shape)}")
     ### BEGIN SOLUTION
-    # HINT: f counts assignments (every one of the T·k, experts with none included), P
-    # HINT: averages probabilities over tokens; only P carries the gradient
     flat = expert_indices.reshape(-1)
     counts = torch.bincount(flat, minlength=num_experts).to(router_probs.dtype)
     f = counts / max(flat.numel(), 1)
@@ -101,4 +93,4 @@ def load_balancing_loss(router_probs: torch.Tensor, expert_indices: torch.Tensor
     return num_experts * (f * p).sum()
     ### END SOLUTION
 
-# minitrain-exercises-hash: c48c4220f1276d74
+# minitrain-exercises-hash: e85ae2f6fd1e1458

@@ -28,9 +28,6 @@ def online_softmax_update(m, row_sum, acc, s, v):
     is); masked scores (-inf) must count for nothing.
     """
     ### BEGIN SOLUTION
-    # HINT: first the new running max; then this tile's exponentials relative to it, and the
-    # HINT: factor that moves the old sums from the old max to the new one; the product with v
-    # HINT: through tile_matmul(..., acc.dtype) (a bf16 @ bf16 would return bf16)
     m_new = torch.maximum(m, s.amax(dim=-1))
     p = torch.exp(s - m_new[..., None])
     alpha = torch.exp(m - m_new)  # exp(-inf) = 0 on the first tile: nothing to rescale yet
@@ -56,9 +53,6 @@ def forward_query_block(q_i, k, v, i0: int, causal: bool, block_k: int = BLOCK_K
     i1 = i0 + q_i.shape[-2]
     acc_dtype = torch.promote_types(q_i.dtype, torch.float32)  # bf16/fp16 -> fp32, fp64 stays
     ### BEGIN SOLUTION
-    # HINT: visible_key_blocks(i0, i1, k, block_k, causal, log) gives the tiles
-    # HINT: the mask of a tile comes from causal_mask(i0, i1, j0, j1); fill those scores with -inf
-    # HINT: scores of bf16 tiles: tile_matmul(q_i, k_j^T, acc_dtype) (a bf16 @ rounds them to bf16)
     m = torch.full(q_i.shape[:-1], -math.inf, dtype=acc_dtype, device=q_i.device)
     row_sum = torch.zeros(q_i.shape[:-1], dtype=acc_dtype, device=q_i.device)
     acc = torch.zeros(q_i.shape, dtype=acc_dtype, device=q_i.device)
@@ -91,8 +85,6 @@ def block_backward(q_i, k_j, v_j, do_i, lse_i, delta_i, mask=None):
     scale = 1.0 / math.sqrt(q_i.shape[-1])
     acc_dtype = torch.promote_types(q_i.dtype, torch.float32)  # bf16/fp16 -> fp32, fp64 stays
     ### BEGIN SOLUTION
-    # HINT: dS = P * (dP - D_i) is the softmax's backward: D_i = sum_j P_ij dP_ij
-    # HINT: every product through tile_matmul(..., acc_dtype), so bf16 tiles give fp32 results
     s = tile_matmul(q_i, k_j.transpose(-2, -1), acc_dtype) * scale
     p = torch.exp(s - lse_i[..., None])
     if mask is not None:
@@ -105,4 +97,4 @@ def block_backward(q_i, k_j, v_j, do_i, lse_i, delta_i, mask=None):
     return dq_i, dk_j, dv_j
     ### END SOLUTION
 
-# minitrain-exercises-hash: 73d4ee76da9fe9ec
+# minitrain-exercises-hash: 1ee47158bf34256b

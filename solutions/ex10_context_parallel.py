@@ -34,11 +34,6 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     can weigh this result against the next block.
     """
     ### BEGIN SOLUTION
-    # HINT: each side's share of the union's denominator is e^{lse_x - m}, with m the larger
-    # HINT: lse; the shares are one number per query, shape (..., n): line them up with the
-    # HINT: outputs' (..., n, d) before weighing (when n == d, broadcasting silently pairs a
-    # HINT: query's share with a feature instead); where both sides are empty the total share
-    # HINT: is 0 — the result must be 0 and -inf there, never NaN
     m = torch.maximum(lse_a, lse_b)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # both -inf: keep exp finite
     w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)
@@ -71,10 +66,6 @@ def ring_step(qs, q_chunks, kv, kv_chunks, outs, lses, causal, group: ProcessGro
     the last step (``send=False``) sends nothing and returns None.
     """
     ### BEGIN SOLUTION
-    # HINT: the order of three things is the exercise: start the transfer, compute, then
-    # HINT: wait — waiting before computing is correct but leaves the rank idle throughout
-    # HINT: the block in hand holds len(kv_chunks) equal key (and value) chunks along the
-    # HINT: sequence dimension
     exchange = Exchange(kv, group, "forward K,V") if send else None
     ks, vs = kv[0].chunk(len(kv_chunks), dim=-2), kv[1].chunk(len(kv_chunks), dim=-2)
     with trace.span("attention block", "compute"):
@@ -87,4 +78,4 @@ def ring_step(qs, q_chunks, kv, kv_chunks, outs, lses, causal, group: ProcessGro
     return exchange.wait() if exchange is not None else None
     ### END SOLUTION
 
-# minitrain-exercises-hash: 83cce8249b7efac7
+# minitrain-exercises-hash: 94962a45815fc459

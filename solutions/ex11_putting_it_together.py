@@ -32,7 +32,6 @@ def rank_coords(rank: int, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1) -
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside a mesh of {world} ranks ({sizes})")
     ### BEGIN SOLUTION
-    # HINT: peel the digits off from the least significant one (tp) with divmod
     digits = {}
     for axis in reversed(AXES):  # tp, cp, dp, pp
         rank, digits[axis] = divmod(rank, sizes[axis])
@@ -52,7 +51,6 @@ def axis_groups(axis: str, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1) -
     if axis not in sizes:
         raise ValueError(f"unknown mesh axis {axis!r}; expected one of {list(AXES)}")
     ### BEGIN SOLUTION
-    # HINT: the stride of an axis is the product of the sizes of the axes inside it
     world = dp * tp * pp * cp
     stride = 1
     for inner in reversed(AXES[AXES.index(axis) + 1 :]):
@@ -82,8 +80,6 @@ def params_per_rank(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0)
     such a rank.
     """
     ### BEGIN SOLUTION
-    # HINT: count one block's parameters once (each Linear: split or whole, weight and bias),
-    # HINT: multiply by the stage's number of blocks, then add what the stage's ends hold
     h, f, v, t = config.d_model, config.d_ff, config.vocab_size, tp
     b = 1 if config.bias else 0
     attention = 4 * h * h // t + b * (3 * h // t + h)
@@ -97,4 +93,4 @@ def params_per_rank(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0)
     return total
     ### END SOLUTION
 
-# minitrain-exercises-hash: 8848b30d5545b644
+# minitrain-exercises-hash: 76e34234067660ea

@@ -447,13 +447,6 @@ MUTATIONS = [
         ["tests/test_pipeline.py::test_every_schedule_matches_one_process", "tests/grading/test_ch07_pipeline_parallel.py::test_run_action_trains_like_one_process"],
     ),
     Mutation(
-        "pipeline: zero-bubble B also backpropagates into the weights (W adds them again)",
-        "minitrain/pipeline/executor.py",
-        "stage.backward(name, out, grad, inputs=[x], retain_graph=True)",
-        "stage.backward(name, out, grad, retain_graph=True)",
-        ["tests/test_pipeline.py::test_every_schedule_matches_one_process", "tests/grading/test_ch07_pipeline_parallel.py::test_run_action_trains_like_one_process"],
-    ),
-    Mutation(
         "pipeline: interleaved backward visits the chunks in forward order",
         "minitrain/pipeline/schedules.py",
         "forwards, backwards = order(False), order(True)",
@@ -1686,9 +1679,9 @@ MUTATIONS = [
     ),
     Mutation(
         "issue 41: Triton's mode read from TRITON_INTERPRET, not chosen per call from the tensors' device",
-        "minitrain/flash_attention/triton_kernels.py",
-        'return _kernels(interpret=torch.device(device).type == "cpu")',
-        'return _kernels(interpret=os.environ.get("TRITON_INTERPRET") == "1")',
+        "minitrain/runtime/triton_modes.py",
+        'return _load(module_name, path, interpret=torch.device(device).type == "cpu")',
+        'return _load(module_name, path, interpret=os.environ.get("TRITON_INTERPRET") == "1")',
         ["tests/test_device_helpers.py::test_triton_mode_follows_the_tensors_device_not_the_environment"],
     ),
     # issue 41: the strict point-to-point canary (NCCL's semantics on the CPU) and the exchanges
@@ -2090,6 +2083,235 @@ MUTATIONS = [
         "    ar_alpha = 4 * all_reduce_time(0, tp_size, link)  # the α part: 8(t−1)α\n",
         "    ar_alpha = 0.0\n",
         ["tests/test_ch06_link.py::test_crossover_is_where_the_all_reduces_cost_what_they_save"],
+    ),
+    # me_mutations.py
+    Mutation(
+        "issue 46: the RMSNorm backward forgets that the reciprocal root depends on x",
+        "minitrain/kernels/norms.py",
+        "dx = rstd * (gw - xhat * (gw * xhat).mean(-1, keepdim=True))",
+        "dx = rstd * gw",
+        ["tests/test_kernels.py::test_fused_rms_norm_equals_torch"],
+    ),
+    Mutation(
+        "issue 46: the Triton LayerNorm counts the padding columns in the variance",
+        "minitrain/kernels/triton_norms.py",
+        "centred = tl.where(mask, x - mean[:, None], 0.0)",
+        "centred = x - mean[:, None]",
+        ["tests/test_kernels.py::test_fused_layer_norm_equals_torch"],
+    ),
+    Mutation(
+        "issue 46: the chunked loss's backward counts the ignored tokens",
+        "minitrain/kernels/chunked_loss.py",
+        "grad_logits.mul_((counted[rows].to(acc) * scale).unsqueeze(1))",
+        "grad_logits.mul_(scale)",
+        ["tests/test_kernels.py::test_chunked_linear_cross_entropy_equals_the_unfused_loss"],
+    ),
+    Mutation(
+        "issue 46: the chunked loss keeps a chunk of logits alive while the next is built",
+        "minitrain/kernels/chunked_loss.py",
+        "            del logits, grad_logits\n",
+        "",
+        ["tests/test_kernels.py::test_the_chunked_loss_holds_one_chunk_of_logits_at_vocabulary_4096"],
+    ),
+    Mutation(
+        "issue 46: the allocation counter takes a view for a new allocation",
+        "minitrain/memory/allocations.py",
+        "if key == 0 or key in inputs:",
+        "if key == 0:",
+        ["tests/test_kernels.py::test_live_allocations_counts_temporaries_and_their_release"],
+    ),
+    # issue 44: hints on request
+    Mutation(
+        "issue 44: the hint command forgets the level it showed",
+        "minitrain/course/hints.py",
+        "        record_level(folder, args.chapter, exercise, level)\n",
+        "        pass\n",
+        ["tests/test_hints.py::test_levels_come_in_order_and_are_remembered"],
+    ),
+    Mutation(
+        "issue 44: a stub keeps the HINT comments of its solution",
+        "minitrain/course/exercise_regions.py",
+        "            if any(line.strip().startswith(HINT) for line in body):",
+        "            if False:",
+        ["tests/test_hints.py::test_a_hint_comment_in_the_library_is_refused"],
+    ),
+    # ch05_06_mutations.py
+    Mutation(
+        "zero_prefetch_cited_as_section_5_2",
+        ZERO,  # "minitrain/zero/data_parallel.py"
+        "et al. 2020, section 7.2.2: prefetching); waiting for it here would serialise them again.",
+        "et al. 2020, section 5.2: prefetching); waiting for it here would serialise them again.",
+        ["tests/test_lessons_05_06.py::test_the_stage3_hook_cites_7_2_2"],
+    ),
+    # ch07_mutations.py
+    Mutation(
+        "zero bubble: B asks autograd for the weights too (W adds them again)",
+        "minitrain/pipeline/executor.py",
+        "rest = [q for q in self.chunk_parameters(chunk) if q not in self.w_params[chunk]]",
+        "rest = self.chunk_parameters(chunk)",
+        ["tests/test_zero_bubble_w.py::test_real_w_is_exact_against_one_process",
+         "tests/test_pipeline.py::test_every_schedule_matches_one_process"],
+    ),
+    Mutation(
+        "zero bubble: B keeps the graph (retain_graph): memory does not fall",
+        "minitrain/pipeline/weight_grad.py",
+        "torch.autograd.grad(out, inputs, grad, allow_unused=True)",
+        "torch.autograd.grad(out, inputs, grad, allow_unused=True, retain_graph=True)",
+        ["tests/test_zero_bubble_w.py::test_b_frees_the_graph_and_w_walks_no_node"],
+    ),
+    Mutation(
+        "zero bubble: W forgets the bias gradient",
+        "minitrain/pipeline/weight_grad.py",
+        "            if bias is not None:\n                accumulate(bias, g2.sum(0))\n",
+        "",
+        ["tests/test_zero_bubble_w.py::test_real_w_is_exact_against_one_process"],
+    ),
+    Mutation(
+        "zero bubble: W overwrites .grad instead of accumulating (micro-batches lost)",
+        "minitrain/pipeline/weight_grad.py",
+        "        param.grad.add_(grad)\n",
+        "        param.grad = grad.to(param.dtype)\n",
+        ["tests/test_zero_bubble_w.py::test_real_w_is_exact_against_one_process"],
+    ),
+    Mutation(
+        "zero bubble: the old W, which re-walks the graph B kept",
+        "minitrain/pipeline/executor.py",
+        "        if state.split_backward:  # the input gradient only: W's GEMMs are parked\n"
+        "            x_grad = stage.backward_input(name, c, mb, out, grad, x, state)\n"
+        "        else:\n"
+        "            stage.backward(name, out, grad)\n"
+        "            x_grad = None if stage.is_first(c) else x.grad\n"
+        "        if not stage.is_first(c):\n"
+        "            stage.send(\"B\", mb, x_grad, v - 1, state)\n"
+        "    elif kind == \"W\" and key in state.pending_w:\n"
+        "        stage.backward_weights(name, c, state.pending_w.pop(key))\n",
+        "        if state.split_backward:  # the old W: B keeps the graph, W walks it again\n"
+        "            torch.autograd.backward(out, grad, inputs=[x], retain_graph=True)\n"
+        "            x_grad, state.pending_w[key] = x.grad, (out, grad)\n"
+        "        else:\n"
+        "            stage.backward(name, out, grad)\n"
+        "            x_grad = None if stage.is_first(c) else x.grad\n"
+        "        if not stage.is_first(c):\n"
+        "            stage.send(\"B\", mb, x_grad, v - 1, state)\n"
+        "    elif kind == \"W\" and key in state.pending_w:\n"
+        "        out, grad = state.pending_w.pop(key)\n"
+        "        torch.autograd.backward(out, grad, inputs=stage.chunk_parameters(c))\n",
+        ["tests/test_zero_bubble_w.py::test_b_frees_the_graph_and_w_walks_no_node"],
+    ),
+    Mutation(
+        "zero bubble: a weight tied to the embedding is left to W (its embedding gradient lost)",
+        "minitrain/pipeline/weight_grad.py",
+        "    return gemm - other\n",
+        "    return gemm\n",
+        ["tests/test_zero_bubble_w.py::test_real_w_is_exact_against_one_process"],
+    ),
+    Mutation(
+        "zero bubble: the row-parallel bias (added after the reduce) counted as a GEMM's",
+        "minitrain/pipeline/weight_grad.py",
+        "                   RowParallelLinear: (\"weight\",)}",
+        "                   RowParallelLinear: (\"weight\", \"bias\")}",
+        ["tests/test_pipeline.py::test_pipeline_of_tensor_parallel_stages_matches_one_process"],
+    ),
+    Mutation(
+        "zero bubble: the sleep stage's W does not sleep (W free, the convention broken)",
+        "minitrain/pipeline/sleep_stage.py",
+        "            calibrated_sleep(sum(b.t_w for b in self.chunks[chunk].blocks), self.ref_device)\n",
+        "",
+        ["tests/test_ch07_link.py::test_sleep_stage_on_a_link_matches_the_prediction_and_the_convention"],
+    ),
+    # ch10_11_mutations.py
+    Mutation(
+        "issue 43: the pipeline's data-parallel gradient all-reduce untraced (no DP bar in chapter 11's timeline)",
+        "minitrain/parallel/trainer.py",
+        'with trace.span("all-reduce gradients (DP)", "communication", self.device):',
+        "with nullcontext():",
+        ["tests/test_lessons_10_11.py::test_the_traced_3d_step_shows_the_data_parallel_reduction"],
+    ),
+    Mutation(
+        "issue 43: context-parallel gradients summed over the group, not averaged",
+        "minitrain/context_parallel/model.py",
+        "                dist.all_reduce(p.grad, group=self.group)\n                p.grad /= self.world_size\n",
+        "                dist.all_reduce(p.grad, group=self.group)\n",
+        ["tests/test_lessons_10_11.py::test_context_parallel_gradient_is_the_average_of_partial_gradients"],
+    ),
+    Mutation(
+        "issue 43: all-gather CP's backward charged an all-reduce of dK, dV (not Llama 3's reduce-scatter)",
+        "minitrain/context_parallel/gathered.py",
+        '    return {"forward": (P - 1) * 2 * block, "backward": (P - 1) * 2 * block,\n',
+        '    return {"forward": (P - 1) * 2 * block, "backward": 2 * (P - 1) * 2 * block,\n',
+        ["tests/test_lessons_10_11.py::test_cp_bytes_per_rank_against_the_formulas[4]"],
+    ),
+    Mutation(
+        "issue 43: all-gather CP's K, V memory counted as the ring's two blocks",
+        "minitrain/context_parallel/gathered.py",
+        '            "kv_held": P * 2 * block}',
+        '            "kv_held": 2 * 2 * block}',
+        ["tests/test_lessons_10_11.py::test_cp_bytes_per_rank_against_the_formulas[4]"],
+    ),
+    # hints_0_4_mutations.py
+    Mutation(
+        "ddp: the gradient hook launches full buckets even with overlap off",
+        "minitrain/ddp/data_parallel.py",
+        "        bucket.ready += 1\n        if self.overlap:\n            self._launch_ready_buckets()\n",
+        "        bucket.ready += 1\n        self._launch_ready_buckets()\n",
+        ["tests/grading/test_ch04_groups_and_overlap.py::test_no_launch_during_backward_with_overlap_off"],
+    ),
+    Mutation(
+        "pass_the_token: the ring is the world, not the group",
+        "minitrain/runtime/point_to_point.py",
+        "    rank, world = dist.get_rank(group), dist.get_world_size(group)\n"
+        "    prev_rank, next_rank = ring_neighbours(group)\n    held = token.clone()",
+        "    rank, world = dist.get_rank(), dist.get_world_size()\n"
+        "    prev_rank, next_rank = ring_neighbours()\n    held = token.clone()",
+        ["tests/grading/test_ch00_point_to_point.py::test_pass_the_token_goes_round_the_group"],
+    ),
+    Mutation(
+        "ring_reduce_scatter: neighbours of the world, not of the group",
+        "minitrain/collectives/ring.py",
+        "    prev_rank, next_rank = ring_neighbours(group)\n    if world == 1:",
+        "    prev_rank, next_rank = ring_neighbours()\n    if world == 1:",
+        ["tests/grading/test_ch04_groups_and_overlap.py::test_ring_collectives_honour_the_group[ring_reduce_scatter]"],
+    ),
+    Mutation(
+        "ring_all_gather: neighbours of the world, not of the group",
+        "minitrain/collectives/ring.py",
+        "    prev_rank, next_rank = ring_neighbours(group)\n    chunks[rank].copy_(flat_in)",
+        "    prev_rank, next_rank = ring_neighbours()\n    chunks[rank].copy_(flat_in)",
+        ["tests/grading/test_ch04_groups_and_overlap.py::test_ring_collectives_honour_the_group[ring_all_gather]"],
+    ),
+    Mutation(
+        "ring_all_reduce: the halves run on the world, not on the group",
+        "minitrain/collectives/ring.py",
+        "    ring_reduce_scatter(mine, flat, group)\n    ring_all_gather(flat, mine, group)",
+        "    ring_reduce_scatter(mine, flat)\n    ring_all_gather(flat, mine)",
+        ["tests/grading/test_ch04_groups_and_overlap.py::test_ring_collectives_honour_the_group[ring_all_reduce]"],
+    ),
+    Mutation(
+        "checkpoint backward: the caller's RNG state restored only when fn succeeds",
+        "minitrain/checkpointing/function.py",
+        "        try:\n            with torch.enable_grad():\n                outputs = ctx.fn(*args)\n"
+        "        finally:\n            if ctx.rng_state is not None:\n                set_rng_state(current)",
+        "        with torch.enable_grad():\n            outputs = ctx.fn(*args)\n"
+        "        if ctx.rng_state is not None:\n            set_rng_state(current)",
+        ["tests/grading/test_ch03_checkpointing.py::test_backward_restores_the_random_stream_when_the_recomputation_raises"],
+    ),
+    Mutation(
+        "accumulate_gradients: every micro-batch's graph kept, one backward of the sum",
+        "minitrain/step.py",
+        "    mean_loss = 0.0\n    for x, y in micro_batches:\n"
+        "        loss = loss_fn(model(x), y) * (y.numel() / total)\n"
+        "        loss.backward()  # adds into .grad; the graph of this micro-batch is freed now\n"
+        "        mean_loss += loss.item()\n    return mean_loss",
+        "    losses = [loss_fn(model(x), y) * (y.numel() / total) for x, y in micro_batches]\n"
+        "    sum(losses).backward()\n    return sum(loss.item() for loss in losses)",
+        ["tests/grading/test_ch01_single_device.py::test_accumulate_gradients_backwards_each_micro_batch_before_the_next"],
+    ),
+    Mutation(
+        "gpt_num_params: counts by building the model",
+        "minitrain/model.py",
+        "    h, f, v, s, L = (config.d_model, config.d_ff, config.vocab_size, config.seq_len, config.n_layer)\n",
+        "    return sum(p.numel() for p in GPT(config).parameters())\n",
+        ["tests/grading/test_ch01_single_device.py::test_gpt_num_params"],
     ),
 ]
 

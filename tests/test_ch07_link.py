@@ -65,5 +65,9 @@ def test_sleep_stage_on_a_link_matches_the_prediction_and_the_convention():
         assert result[("zero_bubble", 1)]["simulation"].makespan == 7
         b = [d for (k, _, _), d in action_seconds(result[("1f1b", 1)]["events"])[0].items() if k == "B"]
         assert statistics.median(b) == pytest.approx(2 * unit, rel=0.25)
+        zb = action_seconds(result[("zero_bubble", 1)]["events"])[0]
+        for kind in "BW":  # W runs no autograd: SleepStage's W sleeps its unit
+            assert statistics.median(d for (k, _, _), d in zb.items() if k == kind) == pytest.approx(
+                unit, rel=0.25), kind
 
     measured_twice(check)

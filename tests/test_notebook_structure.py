@@ -20,7 +20,7 @@ from minitrain.course.bughunts import BUG_HUNTS
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
-COURSE = [p for p in NOTEBOOKS if 1 <= int(p.name[:2]) <= 11]
+COURSE = [p for p in NOTEBOOKS if 1 <= int(p.name[:2]) <= 12]
 MIN_DETAILS, MIN_COMPARED = 3, 0.70
 EXCLUDED = ("NBVAL_IGNORE_OUTPUT", "NBVAL_SKIP", "NBVAL_RAISES_EXCEPTION")
 

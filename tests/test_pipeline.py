@@ -224,7 +224,9 @@ def _pp_tp(sequence_parallel, schedule, v):
     return abs(loss.item() - ref_loss.item()), err
 
 
-@pytest.mark.parametrize("sp,schedule,v", [(False, "1f1b", 1), (True, "1f1b", 1), (True, "interleaved", 2)])
+# zero bubble: W's GEMMs on the column layers' gathered inputs and the row layers' partial sums
+@pytest.mark.parametrize("sp,schedule,v", [(False, "1f1b", 1), (True, "1f1b", 1), (True, "interleaved", 2),
+                                           (False, "zero_bubble", 1), (True, "zero_bubble", 1)])
 def test_pipeline_of_tensor_parallel_stages_matches_one_process(sp, schedule, v):
     for rank, (dloss, err) in enumerate(launch(_pp_tp, 4, sp, schedule, v, timeout=120)):
         assert dloss < 1e-5 and err < 1e-5, f"rank {rank}: PP2 x TP2 (SP={sp}) off by loss {dloss}, grad {err}"

@@ -154,17 +154,18 @@ def sequential_peak_bytes(
 def choose_segments(
     num_layers: int, layer_bytes: int, input_bytes: int, budget_bytes: int | None = None
 ) -> int:
-    """The segment count k in [1, L] for ``checkpoint_sequential`` of L layers.
+    """The segment count k in [1, L] for ``checkpoint_sequential`` of L = ``num_layers`` layers.
 
-    Predicted peak: peak(k) = (k - 1) * input_bytes + ceil(L / k) * layer_bytes.
-    Without a budget: the k with the smallest peak (the smallest such k if several tie:
-    fewer segments, less recomputation). With ``budget_bytes``: the smallest k whose peak
-    fits in the budget (every k > 1 recomputes all but the last segment, so the fewest
-    segments cost least); raise ValueError naming the budget if no k fits.
-    For A = c the minimum is near k = sqrt(L) (Chen et al. 2016); in general sqrt(L A / c).
+    ``layer_bytes`` (A): what one layer saves for backward; ``input_bytes`` (c): one segment
+    input kept. The predicted peak of k segments is ``sequential_peak_bytes(L, k, A, c)``
+    (this module; you may call it). Without a budget: the k with the smallest peak; when
+    several k tie, the smallest of them (fewer segments, less recomputation). With
+    ``budget_bytes``: the smallest k whose peak is at most the budget (every k > 1
+    recomputes all but the last segment, so the fewest segments cost least); if no k fits,
+    raise ``ValueError`` naming the budget. The grader compares with every k's peak for
+    many (L, A, c), ties and budgets included.
     """
     ### BEGIN SOLUTION
-    # HINT: try every k from 1 to num_layers; math.ceil(num_layers / k) layers in the last one
     if not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
     peaks = {

@@ -66,17 +66,29 @@ class CheckpointFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, fn, preserve_rng_state, *args):
-        """Run ``fn(*args)`` without recording a graph; keep what backward needs to redo it.
+        """Run ``fn(*args)`` without recording a graph; keep only what backward needs to redo it.
 
-        Save in ``ctx``: fn; the RNG state *before* fn runs (``get_rng_state`` of the
-        CPU and of the devices the tensor arguments are on) if ``preserve_rng_state``;
-        the tensor arguments with ``ctx.save_for_backward`` (it takes tensors only, so
-        remember where they go among the non-tensor ones). Return fn's output(s).
+        Returns what ``fn(*args)`` returns (one tensor or a tuple), and the outputs of ``apply``
+        require grad when an input does (autograd wraps them). ``args`` mixes tensors and other
+        values (numbers, None, flags). Requirements: the only bytes kept for backward are the
+        tensor arguments' (the grader measures what is saved: nothing of fn's inside), and a
+        random draw inside fn (dropout) must be replayable by backward.
+
+        The contract between forward and backward (each is graded with the library's
+        other half, so keep exactly these names):
+        - ``ctx.fn``: fn;
+        - ``ctx.tensor_positions``: the indices i (ascending) with ``args[i]`` a tensor;
+        - ``ctx.others``: a list as long as ``args``: ``args[i]`` where it is not a tensor,
+          None where a tensor sat;
+        - ``ctx.save_for_backward(*tensors)``: the tensor arguments themselves, in the order
+          of ``ctx.tensor_positions`` (``ctx.saved_tensors`` gives them back);
+        - ``ctx.rng_state``: ``get_rng_state(devices)`` taken before fn draws anything, where
+          ``devices`` are the non-CPU devices of the tensor arguments (``_accelerators``), or
+          None when ``preserve_rng_state`` is False;
+        - ``ctx.set_materialize_grads(False)`` was called: an output nobody used gets None
+          in ``grad_outputs``, not a tensor of zeros.
         """
         ### BEGIN SOLUTION
-        # HINT: autograd already runs forward under no_grad, so fn builds no graph here
-        # HINT: only tensors can be saved for backward; remember where they sat among args so
-        # HINT: backward can rebuild the call with non-tensor arguments in their places
         ctx.fn = fn
         ctx.tensor_positions = [i for i, a in enumerate(args) if torch.is_tensor(a)]
         ctx.others = [None if torch.is_tensor(a) else a for a in args]
@@ -91,21 +103,34 @@ class CheckpointFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grad_outputs):
-        """Recompute fn's forward with grad enabled, then backpropagate ``grad_outputs``.
+        """Recompute fn's forward with grad enabled, then backpropagate ``grad_outputs`` through it.
 
-        1. Rebuild the arguments: each saved tensor ``.detach()``ed (a fresh leaf, so
-           this graph stops here) with ``requires_grad`` set from ``ctx.needs_input_grad``.
-        2. Remember the current RNG state, restore the forward's, re-run fn under
-           ``torch.enable_grad()``, and restore the current state again (in ``finally``):
-           dropout draws the same mask as in forward, and the caller's random stream
-           continues as if no recomputation had happened.
-        3. ``torch.autograd.backward`` the outputs that require grad with their incoming
-           gradients (skip None ones); parameters used inside fn accumulate ``.grad``.
-        Return one gradient per forward input: None for fn and preserve_rng_state, the
-        leaves' ``.grad`` for tensors, None for non-tensor arguments.
+        ``grad_outputs``: one per output of forward, in order (None for an output nobody used).
+        Returns one entry per argument of forward — None for ``fn``, None for
+        ``preserve_rng_state``, then for each of ``args``: the gradient of that tensor argument
+        where ``ctx.needs_input_grad`` asks for it (None otherwise) and None for non-tensors.
+        Parameters used inside fn accumulate their ``.grad`` exactly as without checkpointing.
+        Requirements and why (each graded against the same model without checkpointing, with
+        dropout inside fn and random draws between forward and backward): the recomputation
+        draws the same random numbers as the forward did (the same dropout mask, or the
+        gradients are of another network); and afterwards the caller's random stream is where
+        it was before backward — the recomputation leaves no trace, even if fn raises.
+
+        The contract between forward and backward (each is graded with the library's
+        other half, so keep exactly these names):
+        - ``ctx.fn``: fn;
+        - ``ctx.tensor_positions``: the indices i (ascending) with ``args[i]`` a tensor;
+        - ``ctx.others``: a list as long as ``args``: ``args[i]`` where it is not a tensor,
+          None where a tensor sat;
+        - ``ctx.save_for_backward(*tensors)``: the tensor arguments themselves, in the order
+          of ``ctx.tensor_positions`` (``ctx.saved_tensors`` gives them back);
+        - ``ctx.rng_state``: ``get_rng_state(devices)`` taken before fn draws anything, where
+          ``devices`` are the non-CPU devices of the tensor arguments (``_accelerators``), or
+          None when ``preserve_rng_state`` is False;
+        - ``ctx.set_materialize_grads(False)`` was called: an output nobody used gets None
+          in ``grad_outputs``, not a tensor of zeros.
         """
         ### BEGIN SOLUTION
-        # HINT: needs_input_grad has an entry for fn and preserve_rng_state first (offset 2)
         args = list(ctx.others)
         for i, saved in zip(ctx.tensor_positions, ctx.saved_tensors):
             args[i] = saved.detach().requires_grad_(ctx.needs_input_grad[2 + i])

@@ -28,27 +28,28 @@ from minitrain.runtime.point_to_point import ring_neighbours
 
 def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
                         group: ProcessGroup | None = None) -> torch.Tensor:
-    """Sum ``input`` over all ranks and leave chunk r of the sum in ``output`` on rank r.
+    """Sum ``input`` over the ranks of ``group``; leave chunk r of the sum in ``output`` on rank r.
 
-    ``input`` (n elements, not modified) is split into N chunks as by
-    ``input.view(-1).tensor_split(N)``; ``output`` must have as many elements as this
-    rank's chunk. N-1 steps: at step s rank r sends chunk (r-s-1) mod N — its own input
-    chunk at s = 0, afterwards the partial sum it built at step s-1 — to its successor,
-    receives the partial sum of chunk (r-s-2) mod N from its predecessor and adds its
-    own input chunk to it. After the last step the chunk it completes is chunk r.
-    Each rank sends n - |chunk r| elements. ``output`` may be a view of ``input``'s
-    chunk r (ring_all_reduce relies on that). Returns ``output``.
+    Chunks are as by ``input.view(-1).tensor_split(N)`` (N ranks; some chunks are empty
+    when n < N, and n may be 0); ``output`` (checked above) has as many elements as this
+    rank's chunk, and the same dtype; the sum is computed in that dtype. ``group`` (None:
+    every rank): the ranks taking part, numbered within the group. Returns ``output``.
 
-    With one rank (N = 1) there are no steps and nothing is sent, but ``output`` must still
-    receive the sum — the input itself, copied (DataParallel on one rank runs this path).
+    Requirements and why:
+    - never write into ``input``: the caller still needs it, and ``output`` may be a view of
+      ``input``'s chunk r (``ring_all_reduce`` relies on that);
+    - send only with ``exchange``: a ring of sends and receives issued together cannot
+      deadlock, and the grader counts its bytes — each rank sends exactly
+      n - |chunk r| elements, no more;
+    - with one rank nothing is sent, but ``output`` still receives the sum: the input
+      itself, copied (DataParallel on one rank runs this path).
 
-    May use: ``ring_neighbours(group)`` (predecessor, successor),
-    ``exchange(send, to, recv, frm, group)`` (sends and receives at once, counting the
-    bytes sent), ``scratch_buffers(n, like)`` (two scratch tensors of n elements),
-    ``sizes`` (every chunk's length). Requirements and why: never write into ``input``
-    (the caller still needs it, and ``output`` may alias chunk r of it), and send with
-    ``exchange`` (sending and receiving together cannot deadlock, and the grader counts
-    its bytes).
+    May use (above, or imported): ``flat_in`` / ``flat_out`` (1-d views), ``rank``,
+    ``world``, ``sizes`` (every chunk's length), ``ring_neighbours(group)`` (predecessor,
+    successor, as global ranks), ``exchange(send, to, recv, frm, group)`` (sends one tensor
+    while receiving another; empty tensors are skipped on both ends), and
+    ``scratch_buffers(n, like)`` (two scratch tensors of n elements, reused from call to
+    call: a fresh buffer per call costs page faults).
     """
     name = "ring_reduce_scatter"
     flat_in, flat_out = _flat(input, name, "input"), _flat(output, name, "output")
@@ -62,9 +63,6 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor,
             f"input of {flat_in.numel()} elements over {world} ranks has {sizes[rank]}"
         )
     ### BEGIN SOLUTION
-    # HINT: the partial sum you pass on cannot live in the input (it must stay unmodified) nor
-    # HINT: in the buffer you are receiving into: one scratch buffer receives, another holds
-    # HINT: the sum being sent; only the last step's sum goes into output
     chunks = flat_in.tensor_split(world)
     prev_rank, next_rank = ring_neighbours(group)
     if world == 1:
@@ -88,12 +86,15 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor,
                     group: ProcessGroup | None = None) -> torch.Tensor:
     """Fill ``output`` on every rank with every rank's ``input``, rank r's input as chunk r.
 
-    ``output`` (n elements) is split as by ``output.view(-1).tensor_split(N)``; ``input``
-    must have as many elements as chunk r. Rank r first copies its input into chunk r.
-    N-1 steps: at step s rank r sends chunk (r-s) mod N to its successor and receives
-    chunk (r-s-1) mod N from its predecessor, straight into ``output``. Each rank sends
-    n - |chunk r+1| elements. ``input`` may be a view of ``output``'s chunk r.
-    Returns ``output``.
+    Chunks are as by ``output.view(-1).tensor_split(N)`` (some may be empty when n < N);
+    ``input`` (checked above) has as many elements as this rank's chunk, and the same dtype.
+    ``group`` (None: every rank): the ranks taking part. Returns ``output``; ``input`` is
+    not modified, and it may be a view of ``output``'s chunk r.
+
+    Requirements and why: send only with ``exchange`` (cannot deadlock, and the grader
+    counts its bytes): each rank sends exactly n - |chunk (r+1) mod N| elements — nothing
+    twice, and no extra buffer or copy: every message can land where it belongs. With one
+    rank nothing is sent. May use what ``ring_reduce_scatter`` may.
     """
     name = "ring_all_gather"
     flat_in, flat_out = _flat(input, name, "input"), _flat(output, name, "output")
@@ -107,7 +108,6 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor,
             f"output of {flat_out.numel()} elements over {world} ranks has {sizes[rank]}"
         )
     ### BEGIN SOLUTION
-    # HINT: after copying the input into chunk r, every step forwards the chunk received last
     chunks = flat_out.tensor_split(world)
     prev_rank, next_rank = ring_neighbours(group)
     chunks[rank].copy_(flat_in)
@@ -119,16 +119,17 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor,
 
 
 def ring_all_reduce(tensor: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
-    """Sum ``tensor`` over all ranks, in place: a ring reduce-scatter, then a ring all-gather.
+    """Sum ``tensor`` over the ranks of ``group``, in place, with this chapter's ring collectives.
 
-    Afterwards every rank holds the same sum, bit for bit (the all-gather copies the one
-    sum each chunk's owner computed). Each rank sends 2n - |chunk r| - |chunk r+1|
-    elements, i.e. 2(N-1)/N·n when N divides n. Returns ``tensor``.
+    Afterwards every rank holds the same sum, bit for bit (the grader compares the ranks),
+    in ``tensor`` itself, which is returned. Each rank sends exactly
+    2n - |chunk r| - |chunk (r+1) mod N| elements (chunks as by ``tensor_split(N)``), i.e.
+    2(N-1)/N·n when N divides n — the ring all-reduce's cost, which the grader counts; no
+    new buffer or copy of the tensor is needed. May use ``ring_reduce_scatter`` and
+    ``ring_all_gather`` (graded with the library's versions of them) and ``flat`` (above).
     """
     flat = _flat(tensor, "ring_all_reduce", "tensor")
     ### BEGIN SOLUTION
-    # HINT: what the reduce-scatter leaves on rank r is exactly what the all-gather needs from
-    # HINT: rank r — and it may stay where it is, inside the tensor: no copy, no new buffer
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     mine = flat.tensor_split(world)[rank]
     ring_reduce_scatter(mine, flat, group)

@@ -6,9 +6,11 @@ Liu et al. 2023 ("Ring Attention with Blockwise Transformers"). Files by role:
 logsumexp), ``ring.py`` (the ring: forward, backward, the autograd Function; each block by
 chapter 9's ``flash_attention_forward``/``flash_attention_backward``), ``model.py`` (the course's GPT trained with its
 sequence split), ``gathered.py`` (K and V all-gathered, for keyed attention dropout, chapter
-11) and ``measure.py`` (bytes, FLOPs, time and memory per rank).
+11; ``cp_bytes_per_rank``: its bytes and memory beside the ring's) and ``measure.py`` (bytes,
+FLOPs, time and memory per rank).
 """
 
+from minitrain.context_parallel.gathered import cp_bytes_per_rank
 from minitrain.context_parallel.layout import (
     gather_sequence,
     rank_chunks,
@@ -28,6 +30,7 @@ __all__ = [
     "ContextParallelGPT",
     "RingAttentionFunction",
     "communication_log",
+    "cp_bytes_per_rank",
     "gather_sequence",
     "merge_attention",
     "rank_chunks",

@@ -12,8 +12,11 @@ dropout keyed by global positions, so the masks (and the loss) are one process's
 
 Cost, per rank (b batch, h heads, n = N/P tokens, d head size): the forward sends the same
 (P−1)·2·b·h·n·d elements as the ring (without hiding them behind compute); backward
-all-reduces the gathered dK, dV (2·b·h·N·d elements); memory holds K, V of the whole sequence
-and the (b, h, n, N) probabilities and mask — 1/P of one process's, not FlashAttention's O(n).
+all-reduces the gathered dK, dV (2·b·h·N·d elements: twice the reduce-scatter Llama 3's
+design needs, ``cp_bytes_per_rank``, kept because the all-reduce is one collective every
+backend has); memory holds K, V of the whole sequence and the (b, h, n, N) probabilities and
+mask — 1/P of one process's, not FlashAttention's O(n). ``cp_bytes_per_rank`` puts the two
+designs side by side (notebook 10, section 10).
 """
 
 from __future__ import annotations
@@ -77,3 +80,28 @@ def gathered_attention(q, k, v, causal: bool, dropout_p: float, site: DropoutSit
     probs = torch.softmax(scores, dim=-1)
     probs = dropout(probs, dropout_p, True, site.at_positions(q_pos, k_pos))
     return probs @ kv[1]
+
+
+def cp_bytes_per_rank(batch_heads: int, seq_len: int, head_dim: int, world_size: int,
+                      bytes_per_element: int = 4, method: str = "ring") -> dict:
+    """Bytes one rank sends in one attention's forward and backward, and the K, V bytes it
+    holds at once while attending, for ``method`` "ring" (Liu et al. 2023: chapter 10) or
+    "all-gather" (Llama 3, Dubey et al. 2024 section 3.3.2: K and V all-gathered before
+    attention and kept for backward, dK and dV reduce-scattered after). ``batch_heads``
+    counts K/V heads (with GQA fewer than the query heads: the reason Llama 3 can afford it).
+
+    With ``block`` = one rank's K (or V) shard, bh·(N/P)·d·e bytes: the ring sends K and V
+    P−1 hops forward and again backward with dK, dV P hops (the last one home); a ring
+    all-gather sends each rank's K, V P−1 hops, a reduce-scatter dK, dV P−1 hops. The ring
+    holds two K, V blocks (in hand and arriving); the all-gather the whole sequence's."""
+    P = world_size
+    block = batch_heads * (seq_len // P) * head_dim * bytes_per_element
+    if method not in ("ring", "all-gather"):
+        raise ValueError(f"method {method!r}: expected 'ring' or 'all-gather'")
+    if P == 1:
+        return {"forward": 0, "backward": 0, "kv_held": 2 * block}
+    if method == "ring":
+        return {"forward": (P - 1) * 2 * block, "backward": (P - 1) * 2 * block + P * 2 * block,
+                "kv_held": 2 * 2 * block}
+    return {"forward": (P - 1) * 2 * block, "backward": (P - 1) * 2 * block,
+            "kv_held": P * 2 * block}

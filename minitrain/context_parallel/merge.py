@@ -37,11 +37,6 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     can weigh this result against the next block.
     """
     ### BEGIN SOLUTION
-    # HINT: each side's share of the union's denominator is e^{lse_x - m}, with m the larger
-    # HINT: lse; the shares are one number per query, shape (..., n): line them up with the
-    # HINT: outputs' (..., n, d) before weighing (when n == d, broadcasting silently pairs a
-    # HINT: query's share with a feature instead); where both sides are empty the total share
-    # HINT: is 0 — the result must be 0 and -inf there, never NaN
     m = torch.maximum(lse_a, lse_b)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # both -inf: keep exp finite
     w_a, w_b = torch.exp(lse_a - m), torch.exp(lse_b - m)

@@ -9,11 +9,17 @@ the other ranks' keys and values, and ring attention brings them. Three things c
    sequence (``shard_positions``), so the position embedding is looked up there;
 2. the loss: each rank's mean over its n tokens; the sequence's mean is their average
    over the group (every shard has the same number of tokens);
-3. gradients: each rank's backward sends dK, dV home, so rank r's parameter gradients
-   already include every rank's loss through attention — but only through *its* tokens'
-   activations. The full gradient is the sum over ranks, divided by P for the mean loss:
-   an all-reduce average of every parameter's gradient (as data parallelism does, over the
-   same group; Megatron-LM folds CP into its data-parallel gradient reduction).
+3. gradients, averaged — and why that is the sum of partial gradients: the loss is the mean
+   over all N tokens, L = (1/P)·Σ_r loss_r. Each rank's backward sends dK, dV home, so rank
+   s's gradient g_s holds every rank's loss, but only through *its own* tokens' activations:
+   a partial gradient (in data parallelism each rank's is a whole one, of other sequences).
+   Summed over the group, Σ_s g_s = Σ_r ∂loss_r/∂θ = P·∂L/∂θ, so the gradient of L is the
+   group's average of g_s — the sum of the partial gradients of L itself. One all-reduce and
+   a division by P (as data parallelism does, over the same group; Megatron-LM folds CP into
+   its data-parallel gradient reduction). Summing without the division gives P·∂L/∂θ, which
+   AdamW's scale-free step m/(√v + ε) nearly hides: notebook 10 checks the gradient itself.
+   Every shard has as many tokens here; with padded or masked tokens the ranks would sum
+   their token losses and divide by the group's count, not average their means.
 """
 
 from __future__ import annotations

@@ -127,10 +127,6 @@ def ring_step(qs, q_chunks, kv, kv_chunks, outs, lses, causal, group: ProcessGro
     the last step (``send=False``) sends nothing and returns None.
     """
     ### BEGIN SOLUTION
-    # HINT: the order of three things is the exercise: start the transfer, compute, then
-    # HINT: wait — waiting before computing is correct but leaves the rank idle throughout
-    # HINT: the block in hand holds len(kv_chunks) equal key (and value) chunks along the
-    # HINT: sequence dimension
     exchange = Exchange(kv, group, "forward K,V") if send else None
     ks, vs = kv[0].chunk(len(kv_chunks), dim=-2), kv[1].chunk(len(kv_chunks), dim=-2)
     with trace.span("attention block", "compute"):

@@ -71,4 +71,5 @@ CHAPTERS: dict[int, tuple[str, list[str]]] = {
         ["minitrain.context_parallel.merge", "minitrain.context_parallel.ring"],
     ),
     11: ("ex11_putting_it_together", ["minitrain.parallel.mesh", "minitrain.parallel.planner"]),
+    12: ("ex12_kernels_and_compilers", ["minitrain.kernels.norms"]),
 }

@@ -3,7 +3,9 @@
 One source of truth: the reference answer of an exercise is the code between
 ``### BEGIN SOLUTION`` and ``### END SOLUTION`` inside a function of ``minitrain/``. This
 file reads those regions (with ``ast``, from the modules' source) into ``Exercise``
-records: the stub a learner gets (the HINT comments kept) and the worked solution.
+records: the stub a learner gets (docstring and contract checks, no solution) and the worked
+solution. Hints are not in the source: ``python -m minitrain.hint`` gives them on request
+(``hints.py``); a ``# HINT`` comment left in a solution is refused.
 Used by ``python -m minitrain.exercises build|check`` (``exercise_files.py``), by grading
 (``patching.py``: which functions to take from a learner's file) and by
 ``python -m minitrain.course.notebooks`` (notebooks must not print an answer).
@@ -26,7 +28,7 @@ BEGIN, END, HINT = "### BEGIN SOLUTION", "### END SOLUTION", "# HINT"
 class Exercise:
     module: str  # "minitrain.collectives"
     qualname: str  # "ring_all_reduce" or "DataParallel._on_grad_ready"
-    stub: str  # source of the function with the solution removed (hints kept)
+    stub: str  # source of the function with the solution removed
     solution: str  # source of the function with the solution
     names_used: set[str]  # global names its body reads
 
@@ -79,9 +81,14 @@ def exercises_of(module) -> list[Exercise]:
                 )
             b, e = marks
             indent = body[b][: len(body[b]) - len(body[b].lstrip())]
-            hints = [line for line in body[b + 1 : e] if line.strip().startswith(HINT)]
-            message = f'raise NotImplementedError("exercise: write {qual} (see its docstring)")'
-            stub = body[:b] + hints + [indent + message] + body[e + 1 :]
+            if any(line.strip().startswith(HINT) for line in body):
+                raise ValueError(
+                    f"{module.__name__}.{qual}: a {HINT} comment in the source gives the answer "
+                    "away unasked; hints go in minitrain/course/hints/chNN.toml"
+                )
+            message = (f'raise NotImplementedError("exercise: write {qual} (its docstring says '
+                       f'what; stuck? python -m minitrain.hint)")')
+            stub = body[:b] + [indent + message] + body[e + 1 :]
             used = {n.id for n in ast.walk(fn) if isinstance(n, ast.Name)}
             found.append(
                 Exercise(

@@ -2,8 +2,8 @@
 
 Runs the graded tests of the chapters (``tests/grading/test_chNN_*.py``) with your
 functions from ``my_exercises/`` patched into the library, and prints a score
-table: points per test, pass or fail, the first problem in plain words, the time
-taken. Every test has a time limit, so a deadlock is reported, not waited on.
+table: points per test, pass or fail, the first problem in plain words, the highest
+hint level you asked for (``python -m minitrain.hint``), the time taken. Every test has a time limit, so a deadlock is reported, not waited on.
 
     python -m minitrain.grade            # every chapter you have started
     python -m minitrain.grade 4          # chapter 4 only
@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from minitrain.course.exercises import CHAPTERS, ROOT
+from minitrain.course.hints import HintError, learner_folder, levels_used
 
 GRADING_DIR = ROOT / "tests" / "grading"
 
@@ -110,19 +111,25 @@ def file_to_edit(exercise: str, folder: str = "my_exercises") -> str | None:
 
 
 def print_table(
-    results: list[dict], title: str, folder: str = "my_exercises"
+    results: list[dict], title: str, folder: str = "my_exercises", hints: dict | None = None
 ) -> tuple[int, int]:
+    """One row per graded test; ``hints``: {exercise: highest hint level shown}
+    (``python -m minitrain.hint``), printed beside each score, 0 when none was asked for."""
+    from minitrain.course.hints import hint_key
+
+    hints = hints or {}
     print(f"\n{title}")
     width = max([len(r["test"]) for r in results] + [4])
-    print(f"  {'exercise':<24} {'test':<{width}}  points  result  time")
+    print(f"  {'exercise':<24} {'test':<{width}}  points  result  hints  time")
     got = total = 0
     for r in results:
         earned = r["points"] if r["passed"] else 0
         got, total = got + earned, total + r["points"]
         mark = "pass" if r["passed"] else "FAIL"
+        level = hints.get(hint_key(r["exercise"] or ""), 0)
         print(
             f"  {r['exercise']:<24} {r['test']:<{width}}  {earned:>2}/{r['points']:<3}  {mark:<6}"
-            f"  {r['seconds']:.1f}s"
+            f"  {level}/3    {r['seconds']:.1f}s"
         )
         if not r["passed"]:
             where = file_to_edit(r["exercise"], folder)
@@ -190,9 +197,7 @@ def main(argv=None) -> int:
     for c in args.chapters:
         if c not in CHAPTERS:
             parser.error(f"there is no chapter {c}; chapters are {min(CHAPTERS)}–{max(CHAPTERS)}")
-    source = Path(args.source)
-    if not source.is_absolute():  # relative to where you are, else to the course folder
-        source = (Path.cwd() / source) if (Path.cwd() / source).is_dir() else ROOT / source
+    source = learner_folder(args.source)  # relative to where you are, else to the course
     if not source.is_dir():
         print(
             f"{source} does not exist yet. Run `python -m minitrain.exercises start` to get "
@@ -202,6 +207,11 @@ def main(argv=None) -> int:
     chapters = args.chapters or [
         c for c in _chapters_with_tests() if (source / f"{CHAPTERS[c][0]}.py").exists()
     ]
+    try:
+        hint_levels = levels_used(source)
+    except HintError as exc:  # a damaged record of hints must not stop the grading
+        print(f"(hint levels not shown: {exc})")
+        hint_levels = {}
     got = total = 0
     for c in chapters:
         stem = CHAPTERS[c][0]
@@ -220,6 +230,7 @@ def main(argv=None) -> int:
             results,
             f"chapter {c} — {source.name}/{stem}.py ({time.perf_counter() - t0:.0f} s)",
             source.name,
+            hint_levels.get(str(c)),
         )
         got, total = got + g, total + t
     if total:

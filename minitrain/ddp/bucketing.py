@@ -13,18 +13,22 @@ import torch
 
 
 def assign_buckets(params: list[torch.Tensor], bucket_cap_bytes: float) -> list[list[int]]:
-    """Group parameters into buckets in the order their gradients become ready.
+    """Group parameters into buckets, each filled by gradients arriving one after another.
 
-    ``params`` are in registration order; backward produces gradients roughly in
-    *reverse* order, so walk them from last to first. Add each parameter to the open
-    bucket; close the bucket once it holds ≥ ``bucket_cap_bytes`` bytes (so a bucket may
-    overshoot by its last parameter: one larger than the cap closes the bucket it joins). A bucket is one flat buffer, so a parameter whose dtype or device differs
-    from the open bucket's closes that bucket first. Returns lists of indices into
-    ``params``: e.g. sizes [4, 4, 4] bytes with a cap of 8 give [[2, 1], [0]].
+    ``params`` are in registration order (the order forward uses them); a bucket is one flat
+    buffer whose all-reduce starts when its last gradient arrives in backward, so a bucket
+    holds parameters whose gradients arrive together, in the order backward produces them.
+    Returns a list of buckets, each a list of indices into ``params``: every index exactly
+    once, each bucket's indices in the order their gradients arrive, the buckets in the
+    order they fill. The rules (each graded):
+    - a bucket closes once its bytes (``numel() * element_size()``) reach
+      ``bucket_cap_bytes``, so it may overshoot by its last parameter, and a parameter
+      larger than the cap joins the open bucket and closes it (cap 0: one bucket per
+      parameter; ``math.inf``: one bucket);
+    - a bucket holds one dtype and one device: a parameter whose dtype or device differs
+      from the open bucket's closes that bucket first.
     """
     ### BEGIN SOLUTION
-    # HINT: walk the parameters in the order their gradients arrive in backward, which is not
-    # HINT: the order they are listed in; count bytes, not elements
     buckets, current, current_bytes = [], [], 0
     for i in reversed(range(len(params))):
         p = params[i]

@@ -213,11 +213,16 @@ class DataParallel(nn.Module):
         - launch only through ``_launch_ready_buckets``, never a bucket directly: every rank
           must issue its all-reduces in the same (bucket) order, or collectives pair up wrong
           and deadlock; with ``overlap`` off nothing launches here (the end-of-backward
-          callback launches everything).
+          callback launches everything);
+        - a gradient put in place is counted in ``self._ready`` and ``bucket.ready``: the
+          end-of-backward callback fills the slots of the parameters not in ``_ready`` (ones
+          that got no gradient) and launches a bucket only once it is counted full.
+
+        The grader trains on 2 and 4 ranks against one process on the whole batch, checks
+        that an all-reduce starts before backward ends (overlap on) and none during backward
+        with overlap off, and that a backward inside ``no_sync()`` launches nothing.
         """
         ### BEGIN SOLUTION
-        # HINT: check the no_sync case first; each other call is one slot filled and one
-        # HINT: more parameter counted ready in its bucket
         if not self._sync_enabled:
             return
         self._start_sync()

@@ -5,11 +5,9 @@ Triton program loads a block of Q (or K, V) into registers/shared memory, loops 
 other operand's blocks, and writes its result block once. Dao 2023, Algorithm 1 (forward)
 and Algorithm 2 (backward), section 3.2 for the parallelisation over query blocks.
 
-The mode is chosen per call from the tensors' device (``kernels_for``): CPU tensors run under
-Triton's interpreter (numpy on the CPU: correctness only), CUDA tensors run compiled kernels.
-Triton picks a mode when a kernel is *decorated* (reading ``TRITON_INTERPRET``), so this file is
-loaded once more per mode, as a module of its own, with the variable set around the load: a
-notebook can pass CPU tensors on a GPU machine, and no test sets the variable process-wide.
+The mode is chosen per call from the tensors' device (``kernels_for``, through
+``minitrain.runtime.triton_modes``): CPU tensors run under Triton's interpreter (numpy on the
+CPU: correctness only), CUDA tensors run compiled kernels.
 
 Precision: on GPUs ``tl.dot`` with fp32 inputs defaults to TF32 (10-bit mantissa), which
 differs from fp32 by ~1e-3 relative; comparisons of fp32 results at fp32 tolerance need
@@ -28,14 +26,13 @@ over the group in PyTorch afterwards — no atomics there either.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
+
+from minitrain.runtime.triton_modes import check_device, kernels_for_device
 
 # Only Triton *builtins* and our own jitted functions are called inside the kernels, not
 # triton.language's jitted helpers (tl.zeros, tl.max, tl.sum): those were decorated when Triton
@@ -204,37 +201,13 @@ def _launch_args(q, k, groups, causal):
 
 
 def _check_device(*tensors) -> torch.device:
-    """The one device of q, k, v: CPU (Triton's interpreter runs the kernels) or CUDA
-    (compiled kernels). Several devices, or another kind, are named here, not met as a crash."""
-    devices = {t.device for t in tensors}
-    if len(devices) > 1 or next(iter(devices)).type not in ("cpu", "cuda"):
-        raise ValueError(f"FlashAttentionTritonFunction: q, k, v on {sorted(map(str, devices))}, "
-                         "but the kernels need them all on one device: a CPU (Triton's "
-                         "interpreter) or a CUDA GPU (compiled kernels)")
-    return next(iter(devices))
+    return check_device("FlashAttentionTritonFunction (q, k, v)", *tensors)
 
 
 def kernels_for(device: torch.device):
     """This file's kernels decorated for ``device``: interpreted for the CPU, compiled for
-    CUDA (a module of their own per mode, loaded once)."""
-    return _kernels(interpret=torch.device(device).type == "cpu")
-
-
-@functools.lru_cache(maxsize=2)
-def _kernels(interpret: bool):
-    name = f"{__name__}.{'interpreted' if interpret else 'compiled'}"
-    spec = importlib.util.spec_from_file_location(name, __file__)
-    module = importlib.util.module_from_spec(spec)
-    before = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"  # read by @triton.jit, below
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        if before is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-    return module
+    CUDA (``minitrain.runtime.triton_modes``: a module of their own per mode, loaded once)."""
+    return kernels_for_device(__name__, __file__, device)
 
 
 BLOCK = 32  # rows per tile; small so the interpreter stays quick (a GPU would use 64-128)

@@ -13,6 +13,10 @@ shards, so an ordinary optimizer (``torch.optim.AdamW(fsdp.parameters())``) step
 the training loop is the usual one, plus ``finish_gradient_synchronization()`` — and
 ``compute_dtype`` ("Native Mixed Precision": gather and compute in bf16/fp16, shards, gradients
 and optimizer in fp32) and ``replicated_params`` (kept whole, gradients all-reduced as DDP).
+Its units are FSDP1-style (the paper's ``FlatParameter``): one flat shard per unit, the module's
+parameters views of the gathered flat buffer. torch's ``fully_shard`` (FSDP2), the notebook's
+oracle, shards each parameter as a DTensor of its own and copies them into and out of a flat
+buffer around every collective.
 """
 
 from __future__ import annotations
@@ -129,7 +133,6 @@ class FullyShardedDataParallel(UnitGathers):
         whose prefetched gather is still held, and only this hook can return that memory.
         """
         ### BEGIN SOLUTION
-        # HINT: self.units[:index] are the earlier units; _free and _wait_gather accept None
         self._gather_in_order(index + 1)
         for earlier in self.units[:index]:
             self._free(earlier)
@@ -153,7 +156,6 @@ class FullyShardedDataParallel(UnitGathers):
         backward then runs on freed parameters.
         """
         ### BEGIN SOLUTION
-        # HINT: tensor.register_hook(fn) calls fn(grad) when backward reaches that tensor
         trace.record(f"forward block {index}", "compute", self._unit_start, trace.now(self.device))
         self._free(self.units[index])
         for t in tensors_requiring_grad(output) if torch.is_grad_enabled() else []:
@@ -180,7 +182,6 @@ class FullyShardedDataParallel(UnitGathers):
         and stores it); count bytes, not elements (the log compares with bandwidth).
         """
         ### BEGIN SOLUTION
-        # HINT: dist.all_reduce(tensor, group=..., async_op=True) returns a work handle too
         start, buf = trace.now(self.device), u.grad_full
         if u.keep_full:
             out, kind = buf, "all_reduce"

@@ -61,27 +61,26 @@ def bytes_per_parameter(recipe: str) -> dict[str, int]:
 def estimate_training_memory(num_params: int, precision: str = "fp32") -> dict:
     """Bytes of model states for training ``num_params`` parameters with Adam.
 
-    Returns a dict with keys weights, gradients, master, optimizer,
-    gradient_accumulation and total (total = the sum of the others).
-    ``precision`` names a recipe (the three of Megatron-LM's distributed-optimizer guide):
-    fp32: 4 (weights) + 4 (gradients) + 8 (Adam's two moments) = 16 bytes/parameter.
-    mixed_fp32_grads: 2 (16-bit weights) + 4 (fp32 gradients, Megatron's ``main_grad``)
-    + 4 (fp32 master weights) + 8 (fp32 moments) = 18 — what chapter 2's
-    MasterWeightOptimizer keeps.
-    mixed (Micikevicius et al. 2018): 2 (16-bit weights) + 2 (16-bit gradients)
-    + 4 (fp32 master weights) + 8 (fp32 moments) + 4 (fp32 gradient accumulation) = 20.
-    So 1e9 parameters need 16e9 bytes in fp32, 18e9 or 20e9 mixed. "gradient_accumulation"
-    is the fp32 copy "mixed" sums its 16-bit gradients into before the fp32 update; where
-    the gradients are fp32 already they are that buffer, so it is 0. Master weights are 0
-    in fp32 (the weights are already fp32). ``BYTES_PER_PARAMETER[precision]`` holds these
-    numbers (and those of the other recipes of chapter 2). Bad input raises ValueError
-    naming it.
+    Returns a dict of ints with the keys weights, gradients, master, optimizer (Adam's two
+    moments), gradient_accumulation and total (total = the sum of the other five), each
+    ``num_params`` times that part's bytes per parameter in ``precision``'s recipe:
+    - "fp32": everything in fp32, no separate master copy;
+    - "mixed" (Micikevicius et al. 2018): 16-bit weights and their 16-bit gradients, fp32
+      master weights and moments, and an fp32 buffer the 16-bit gradients are summed into
+      before the fp32 update ("gradient_accumulation");
+    - "mixed_fp32_grads" and the others of chapter 2: the keys of ``BYTES_PER_PARAMETER``,
+      whose comment describes each recipe — this function accepts exactly those names.
+    ``BYTES_PER_PARAMETER`` holds every recipe's bytes per parameter and you may use it —
+    after you have worked out fp32's and mixed's yourself (the notebook asks you to).
+
+    Bad input raises ``ValueError`` naming the value given (a ``KeyError`` from a dict lookup
+    tells the caller nothing): ``num_params`` must be a whole number ≥ 0 (a float such as
+    7e9 with no fractional part has already been turned into an int above), ``precision``
+    one of the recipes, spelled exactly ("FP32" is not one).
     """
     if isinstance(num_params, float) and num_params.is_integer():
         num_params = int(num_params)  # 7e9 is a fine way to write seven billion
     ### BEGIN SOLUTION
-    # HINT: first reject what cannot be counted (say which input and why); then every part
-    # HINT: is bytes per parameter times the count
     if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 0:
         raise ValueError(f"num_params must be a non-negative int, got {num_params!r}")
     if precision not in BYTES_PER_PARAMETER:
@@ -104,21 +103,21 @@ def block_activation_bytes(
     dropout: float = 0.0,
     bytes_per_element: int = 4,
 ) -> int:
-    """Bytes one minitrain ``Block`` saves for backward (b=batch, s=seq_len, h=d_model, a=n_head).
+    """Bytes one minitrain ``Block`` saves for backward: a prediction from the sizes alone.
 
-    Korthikanti et al. 2022 (section 4.1) list what each op of a block keeps; for
-    minitrain's block, f = d_ff (4h by default), e = bytes_per_element (4 in fp32):
-      ln_1 input, q/k/v input, q, k, v, out_proj input, ln_2 input, fc_in input: 8 sbh e
-      GELU input and fc_out input: 2 sbf e
-      softmax output: a s^2 b e
-      each LayerNorm's mean and 1/std (two per token, kept in fp32): 2 x 2 sb x 4
-      with dropout > 0: the attention-dropout mask (1 byte) and its output
-      a s^2 b (1 + e), and two residual-dropout masks 2 sbh (1 byte each).
-    With f = 4h, no dropout, fp32: sbh(64 + 4as/h) + 16sb. In their fp16 units with
-    dropout this is sbh(34 + 5as/h) (+ the small LayerNorm statistics they omit).
+    Arguments: b = ``batch``, s = ``seq_len``, h = ``d_model``, a = ``n_head``,
+    ``d_ff`` (None: 4h), ``dropout`` (the block's probability p, training mode),
+    ``bytes_per_element`` (e: 4 for fp32 activations). Returns an int equal to the bytes of
+    the distinct non-parameter tensors autograd saves when ``Block(...)`` runs forward in
+    training mode on an input of shape (b, s, h) — what ``minitrain.memory``'s
+    ``saved_activation_bytes`` measures (each storage counted once, the block's input
+    included; the grader compares with exactly that measurement, for several sizes and with
+    dropout). Facts of the block you may rely on: minitrain's ``dropout`` saves a bool mask
+    (1 byte an element), and torch's LayerNorm keeps its per-token statistics in fp32
+    whatever e is. Korthikanti et al. 2022 (section 4.1) derive the same count for
+    Megatron's block — the notebook asks you for minitrain's first.
     """
     ### BEGIN SOLUTION
-    # HINT: list every tensor saved by LayerNorm, Linear, matmul, softmax, GELU, dropout
     b, s, h, a = batch, seq_len, d_model, n_head
     f = 4 * h if d_ff is None else d_ff
     e = bytes_per_element

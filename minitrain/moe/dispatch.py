@@ -27,8 +27,6 @@ def sort_by_expert(rows: torch.Tensor, expert_of_row: torch.Tensor, num_experts:
     Differentiable in ``rows``.
     """
     ### BEGIN SOLUTION
-    # HINT: one sort of the expert ids gives the permutation — ties are the rule here, and
-    # HINT: their order must not be left to chance; a count per expert must include empty ones
     order = torch.argsort(expert_of_row, stable=True)
     counts = torch.bincount(expert_of_row, minlength=num_experts)
     return rows[order], order, counts
@@ -42,7 +40,6 @@ def unsort(sorted_rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     Differentiable in ``sorted_rows`` (its gradient is the forward permutation).
     """
     ### BEGIN SOLUTION
-    # HINT: row i goes back to position order[i]: a write at indices, not a read at them
     out = sorted_rows.new_zeros(sorted_rows.shape)
     return out.index_copy(0, order, sorted_rows)
     ### END SOLUTION

@@ -42,8 +42,6 @@ def load_balancing_loss(router_probs: torch.Tensor, expert_indices: torch.Tensor
         raise ValueError(f"router_probs must be (tokens, {num_experts}), got "
                          f"{tuple(router_probs.shape)}")
     ### BEGIN SOLUTION
-    # HINT: f counts assignments (every one of the T·k, experts with none included), P
-    # HINT: averages probabilities over tokens; only P carries the gradient
     flat = expert_indices.reshape(-1)
     counts = torch.bincount(flat, minlength=num_experts).to(router_probs.dtype)
     f = counts / max(flat.numel(), 1)

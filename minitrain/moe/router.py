@@ -56,9 +56,6 @@ def top_k_routing(probs: torch.Tensor, top_k: int, capacity: int,
     choice rank the earlier token first — so the *last* tokens of a batch are dropped.
     """
     ### BEGIN SOLUTION
-    # HINT: torch.topk on probs (+ bias) gives the indices; gather probs at them for weights
-    # HINT: one-hot the indices choice-major, i.e. (k, T, E); a cumsum over the flattened
-    # HINT: k·T rows numbers each assignment within its expert (0, 1, 2, ...)
     scores = probs if selection_bias is None else probs + selection_bias
     indices = torch.topk(scores, top_k, dim=-1).indices  # (T, k)
     chosen = probs.gather(-1, indices)

@@ -75,7 +75,6 @@ def rank_coords(rank: int, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1) -
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside a mesh of {world} ranks ({sizes})")
     ### BEGIN SOLUTION
-    # HINT: peel the digits off from the least significant one (tp) with divmod
     digits = {}
     for axis in reversed(AXES):  # tp, cp, dp, pp
         rank, digits[axis] = divmod(rank, sizes[axis])
@@ -95,7 +94,6 @@ def axis_groups(axis: str, dp: int = 1, tp: int = 1, pp: int = 1, cp: int = 1) -
     if axis not in sizes:
         raise ValueError(f"unknown mesh axis {axis!r}; expected one of {list(AXES)}")
     ### BEGIN SOLUTION
-    # HINT: the stride of an axis is the product of the sizes of the axes inside it
     world = dp * tp * pp * cp
     stride = 1
     for inner in reversed(AXES[AXES.index(axis) + 1 :]):

@@ -217,8 +217,8 @@ def apply_data_parallel(model: GPT, group: ProcessGroup | None, zero: int, optim
                         lr: float, stage: PipelineStage | None = None, compute_dtype=None,
                         ignored_params=()):
     """Chapters 4–5 over ``group`` (the mesh's ``dp_cp``); returns (what a step calls, the
-    optimizer). Under a pipeline the stage averages gradients itself, once per step
-    (``train_step(dp_group=...)``), and ZeRO-1 shards the optimizer state; without one, DDP
+    optimizer). Under a pipeline the trainer averages gradients once per step, after the
+    stage's ``train_step`` (traced), and ZeRO-1 shards the optimizer state; without one, DDP
     (``zero=0``, nothing to do on one replica) or ``ZeroDataParallel`` (stages 1–3, an
     optimizer of its own). ``ignored_params`` (expert parallelism's experts) are left out of
     DDP's averaging. ``compute_dtype`` (bf16/fp16): the model computes in it and the

@@ -83,8 +83,6 @@ def params_per_rank(config: GPTConfig, tp: int = 1, pp: int = 1, stage: int = 0)
     such a rank.
     """
     ### BEGIN SOLUTION
-    # HINT: count one block's parameters once (each Linear: split or whole, weight and bias),
-    # HINT: multiply by the stage's number of blocks, then add what the stage's ends hold
     h, f, v, t = config.d_model, config.d_ff, config.vocab_size, tp
     b = 1 if config.bias else 0
     attention = 4 * h * h // t + b * (3 * h // t + h)

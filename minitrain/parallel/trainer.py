@@ -11,12 +11,10 @@ checkpoint needs to continue bit-exactly; ``set_lr`` (the schedule's rate) and `
 Every rank starts from the same dense model (same seed), so each rank's shards are slices of
 the single-process model: the loss curve is the single process's, within float rounding.
 The global batch is fixed; data-parallel rank r takes its rows of each global micro-batch
-(``local_rows``), and every tensor-parallel (and pipeline) rank of a data-parallel replica
-reads the same.
-The model lives on ``minitrain.runtime.get_device()``; the data is generated on the CPU (its
-generator there) and moved. Between backward and the update, ``grad_norm.GradientStep``
-unscales (fp16), agrees on a skip, measures the global gradient norm and clips
-(``clip_grad_norm``); ``last_metrics`` holds that step's ``grad_norm`` (and ``loss_scale``).
+(``local_rows``), every tensor-parallel (and pipeline) rank of a replica reads the same. The
+model lives on ``get_device()``; the data is generated on the CPU (its generator) and moved.
+Between backward and the update, ``grad_norm.GradientStep`` unscales (fp16), agrees on a
+skip, measures the global norm and clips; ``last_metrics`` holds ``grad_norm`` (``loss_scale``).
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ from minitrain.parallel.parallelize import (
 )
 from minitrain.pipeline import average_gradients
 from minitrain.precision import MasterWeightOptimizer
-from minitrain.runtime import get_device
+from minitrain.runtime import get_device, trace
 from minitrain.tensor_parallel.random import load_rng_state_dict, rng_state_dict
 from minitrain.zero import ZeroDataParallel
 
@@ -158,11 +156,13 @@ class ParallelGPT:
         scale = 1.0 if self.scaler is None else self.scaler.get_scale()
         self.optimizer.zero_grad()
         if self.stage is not None:
-            dp = self.dp_group if self.replicas > 1 else None
-            total = self.stage.train_step(x, y, self.layout["schedule"], m, dp_group=dp,
-                                          positions=pos, dropout_keys=keys)
-            if self.masters and dp is not None:  # fp32 masters' gradients, averaged in fp32
-                average_gradients(self.optimizer.master_params, dp)
+            total = self.stage.train_step(x, y, self.layout["schedule"], m, positions=pos,
+                                          dropout_keys=keys)
+            if self.replicas > 1:  # DP's once-per-step average, traced: the timeline shows it
+                with trace.span("all-reduce gradients (DP)", "communication", self.device):
+                    average_gradients(self.stage.parameters(), self.dp_group)
+                    if self.masters:  # fp32 masters' gradients, averaged in fp32
+                        average_gradients(self.optimizer.master_params, self.dp_group)
         else:
             total = 0.0
             aux = torch.zeros((), device=x.device)  # the routers' balancing losses, for the log

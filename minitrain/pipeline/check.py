@@ -169,9 +169,6 @@ def bubble_fraction(schedule, num_chunks: int = 1) -> Fraction:
     1/7 compares equal to 1/7.
     """
     ### BEGIN SOLUTION
-    # HINT: an action's finish time depends only on its stage's previous action and on its
-    # HINT: dependencies' finish times: record each as it becomes computable, and notice when
-    # HINT: a whole pass over the stages computes nothing
     p, cost = len(schedule), Fraction(1, num_chunks)
     finish, free, position = {}, [Fraction(0)] * p, [0] * p
     while any(position[s] < len(schedule[s]) for s in range(p)):

@@ -9,14 +9,11 @@ Public API (what later chapters compose with):
     loss = stage.train_step(inputs, targets, schedule, num_microbatches, dp_group=None,
                             positions=None, dropout_keys=None)
 
-- ``model``: the course's GPT (dense, or already tensor-parallel through
-  ``minitrain.tensor_parallel.apply_tensor_parallel``, with or without sequence parallelism).
-  The stage keeps this rank's share *in place* and frees the rest: the embeddings on the first
-  stage, ``ln_f`` and ``head`` (and the loss) on the last, and its part of ``model.blocks``;
-  the blocks it does not own become ``nn.Identity``, so ``stage.model.named_parameters()``
-  keeps the dense model's names. Blocks are split over the ``p * num_chunks`` virtual stages
-  as evenly as possible, the first ``L mod V`` virtual stages getting one extra block
-  (``split_blocks``): the last stage already carries the head and the loss.
+- ``model``: the course's GPT (dense, or tensor-parallel through ``apply_tensor_parallel``,
+  with or without SP). The stage keeps this rank's share *in place* (embeddings on the first
+  stage, ``ln_f``, ``head`` and the loss on the last, its blocks; the others become
+  ``nn.Identity``, so parameter names stay the dense model's). ``split_blocks`` spreads the
+  blocks over the ``p * num_chunks`` virtual stages, the first ``L mod V`` one extra.
 - ``positions``: where the tokens sit (a CP shard's); ``dropout_keys``: each micro-batch's key.
 - ``group``: the pipeline's process group (None: the default group); stage = rank in it.
   With ``num_chunks = v``, chunk c of stage s holds virtual stage ``c * p + s``.
@@ -28,9 +25,10 @@ Public API (what later chapters compose with):
   before anything runs, so a deadlocking schedule raises on all ranks instead of hanging.
 - returns the mean loss over the micro-batches (= ``model.loss`` on the whole batch), a
   0-dim tensor on *every* stage, in the model's dtype promoted with fp32 (bf16/fp16: fp32);
-  gradients are accumulated in the stage's parameters (call
-  ``zero_grad`` yourself). With ``dp_group``, the gradients are averaged over it once, after
-  the last micro-batch (one all-reduce of one flat buffer).
+  gradients are accumulated in the stage's parameters (call ``zero_grad`` yourself). With
+  ``dp_group``, they are averaged over it once, after the last micro-batch (one all-reduce).
+- zero bubble (``weight_grad.py``): B computes the input's gradient, W the weight GEMMs from
+  the (input, output gradient) pairs B kept, without walking the graph again.
 
 Messages (``messages.py``): every stage posts its sends and receives in groups, one per
 tick of the schedule's idealised clock, so the step runs on NCCL (no buffering, no tags) as on
@@ -57,23 +55,9 @@ from minitrain.pipeline.step_messages import (  # noqa: F401 (LOSS_TAG: re-expor
     post_loss_receive,
     share_loss,
 )
+from minitrain.pipeline.step_state import StepState
+from minitrain.pipeline.weight_grad import LinearCalls, backward_input, w_parameters
 from minitrain.runtime import trace
-
-
-class StepState:
-    """What one training step remembers between actions."""
-
-    def __init__(self, inputs, targets, num_microbatches, split_backward, positions=None):
-        self.inputs, self.targets = inputs, targets  # per micro-batch
-        self.positions = positions  # where the tokens sit (None: 0..s-1), for the embedding
-        self.dropout_keys = None  # per micro-batch: its DropoutKey (layout-free masks), or None
-        self.num_microbatches = num_microbatches
-        self.split_backward = split_backward  # the schedule has W actions
-        self.saved = {}  # (mb, chunk) -> (input, output) kept for backward
-        self.pending_w = {}  # (mb, chunk) -> output gradient, for W
-        self.losses, self.sends = [], []  # the micro-batches' losses; (work, tensor): isends
-        self.outbox, self.arrivals = {}, {}  # Message -> tensor to send; -> (work, buffer)
-        self.device = None  # where received tensors go: the stage's parameters' device
 
 
 class PipelineStage(nn.Module):
@@ -112,6 +96,9 @@ class PipelineStage(nn.Module):
         if checkpointing is not None:
             for chunk in self.chunks:
                 set_checkpointing(chunk, checkpointing, checkpoint_k)
+        # per chunk, the parameters zero bubble's W computes (weight_grad.py): the GEMMs'
+        self.w_params = [w_parameters(self.chunk_modules(c)) for c in range(v)]
+        self.ref_device = next(self.parameters()).device
         # (virtual stage, batch shape) -> (shape, dtype) received; sent: (virtual, batch shape)
         self.known_shapes, self.sent_shapes = {}, set()
 
@@ -174,8 +161,10 @@ class PipelineStage(nn.Module):
         rng = getattr(self.model, "shard_rng", None)  # as the GPT's forward: SP dropout's stream
         if state.dropout_keys is not None:  # micro-batch mb's key, whatever ran before it
             self.model.dropout_keys.current = state.dropout_keys[mb]
+        # a split backward: record the chunk's GEMMs, so B can leave their weights to W
+        calls = LinearCalls(self.w_params[chunk]) if state.split_backward else nullcontext()
         with trace.span(f"F{mb}" + (f".{chunk}" if self.num_chunks > 1 else ""), "compute",
-                        x.device):
+                        x.device), calls:
             with nullcontext() if rng is None else rng.fork(x.device):
                 if module.first:
                     x = module.embed(x, state.positions)
@@ -184,23 +173,43 @@ class PipelineStage(nn.Module):
                 loss = module.loss(out, state.targets[mb])
                 state.losses.append(loss.detach())
                 out = loss / state.num_microbatches  # the step's loss is the mean over m
+        if state.split_backward:
+            state.linear_calls[(mb, chunk)] = calls.calls
         return x, out
 
-    def backward(self, name: str, out, grad, inputs=None, retain_graph=False) -> None:
-        """``torch.autograd.backward`` of ``out`` with upstream ``grad`` (None for the loss),
-        into ``inputs`` only if given (zero bubble's B and W), traced as compute."""
+    def backward(self, name: str, out, grad) -> None:
+        """``torch.autograd.backward`` of ``out`` with upstream ``grad`` (None for the loss)
+        into everything (input and parameters), traced as compute."""
         with trace.span(name, "compute", out.device):
-            torch.autograd.backward(out, grad, retain_graph=retain_graph, inputs=inputs)
+            torch.autograd.backward(out, grad)
+
+    def backward_input(self, name: str, chunk: int, mb: int, out, grad, x, state):
+        """Zero bubble's B (``weight_grad.backward_input``): the gradient of ``x`` (None on the
+        first virtual stage) and of the parameters W does not compute; frees the graph and
+        parks W's work in ``state.pending_w[(mb, chunk)]``."""
+        rest = [q for q in self.chunk_parameters(chunk) if q not in self.w_params[chunk]]
+        with trace.span(name, "compute", out.device):
+            # no record (F ran unsplit): no GEMM is left to W, the weights get no gradient
+            x_grad, work = backward_input(out, grad, x, state.linear_calls.pop((mb, chunk), []),
+                                          rest, not self.is_first(chunk))
+        state.pending_w[(mb, chunk)] = work
+        return x_grad
+
+    def backward_weights(self, name: str, chunk: int, work) -> None:
+        """Zero bubble's W for chunk ``chunk``: the weight GEMMs of ``work`` (what its B
+        parked) into ``.grad``; no autograd."""
+        with trace.span(name, "compute", self.ref_device):
+            work.apply()
 
     def chunk_parameters(self, chunk: int) -> list:
-        chunk_module = self.chunks[chunk]
-        params = list(chunk_module.parameters())
-        gpt = chunk_module.gpt
-        if chunk_module.first:
-            params += list(gpt.tok_emb.parameters()) + list(gpt.pos_emb.parameters())
-        if chunk_module.last:
-            params += list(gpt.ln_f.parameters()) + list(gpt.head.parameters())
-        return [q for q in params if q.requires_grad]
+        """The parameters chunk ``chunk`` trains (a tied weight once)."""
+        params = (q for m in self.chunk_modules(chunk) for q in m.parameters() if q.requires_grad)
+        return list(dict.fromkeys(params))
+
+    def chunk_modules(self, chunk: int) -> list:
+        """What chunk ``chunk`` runs: its blocks, plus the embeddings if first, the head if last."""
+        c, gpt = self.chunks[chunk], self.chunks[chunk].gpt
+        return [c] + [gpt.tok_emb, gpt.pos_emb] * c.first + [gpt.ln_f, gpt.head] * c.last
 
     # ------------------------------------------------------------------ the step
     def train_step(self, inputs, targets, schedule, num_microbatches: int,
@@ -238,27 +247,25 @@ def run_action(stage: PipelineStage, action: tuple, state: StepState) -> None:
       grad, so backward yields its gradient); ``stage.forward`` returns (input activation,
       output); keep both in ``state.saved``; send the output to ``v + 1`` unless last.
     - ``("B", mb[, c])``: the output gradient comes from virtual stage ``v + 1`` (none on the
-      last: the output is the loss); backpropagate; send the input's gradient to ``v - 1``
-      unless this is the first. With ``state.split_backward`` (zero bubble) backpropagate
-      into the input only, keep the graph (``retain_graph=True``) and park the gradient in
-      ``state.pending_w`` for W; otherwise drop the saved pair.
-    - ``("W", mb[, c])``: backpropagate the parked gradient into the chunk's parameters
-      (``stage.chunk_parameters(c)``) and drop the saved pair. When the backward was not
-      split (``state.split_backward`` False: a schedule with W run with checkpointing, as
-      notebook 07 does) B did all the work and W does nothing.
+      last: the output is the loss); send the input's gradient to ``v - 1`` unless this is
+      the first; the saved pair is no longer needed. With ``state.split_backward`` (zero
+      bubble) B computes the input's gradient and leaves the weight GEMMs to W
+      (``stage.backward_input``: it parks W's work in ``state.pending_w``); otherwise
+      (``stage.backward``) it computes every gradient.
+    - ``("W", mb[, c])``: the weight gradients B parked for it (``stage.backward_weights``).
+      When the backward was not split (``state.split_backward`` False: a schedule with W run
+      with checkpointing, as notebook 07 does) B did all the work and W does nothing.
 
     Returns nothing; everything lives in ``state`` (``inputs``, ``saved``, ``pending_w``,
     ``split_backward``). May use: ``stage.virtual_stage(c)``, ``stage.is_first(c)``,
     ``stage.is_last(c)``, ``stage.forward(c, mb, x, state)``, ``stage.backward(name, out,
-    grad, inputs=None, retain_graph=False)``, ``stage.send(kind, mb, tensor, to_virtual,
-    state)``, ``stage.recv(kind, mb, from_virtual, state, like=None)``,
-    ``stage.chunk_parameters(c)``. Why the received activation must require grad: backward
+    grad)``, ``stage.backward_input(name, c, mb, out, grad, x, state)`` (returns the input's
+    gradient, None on the first virtual stage), ``stage.backward_weights(name, c, work)``,
+    ``stage.send(kind, mb, tensor, to_virtual, state)``, ``stage.recv(kind, mb,
+    from_virtual, state, like=None)``. Why the received activation must require grad: backward
     stops at leaves that do not, and the previous stage waits for that input's gradient.
     """
     ### BEGIN SOLUTION
-    # HINT: a chunk is one virtual stage: activations flow to the next virtual stage,
-    # HINT: gradients to the previous; the first has no one to receive from, the last no
-    # HINT: one to send to
     kind, mb = action[0], action[1]
     c = action[2] if len(action) > 2 else 0
     v, key = stage.virtual_stage(c), (mb, c)
@@ -273,19 +280,17 @@ def run_action(stage: PipelineStage, action: tuple, state: StepState) -> None:
         if not stage.is_last(c):
             stage.send("F", mb, out, v + 1, state)
     elif kind == "B":
-        x, out = state.saved[key]
+        x, out = state.saved.pop(key)
         grad = None if stage.is_last(c) else stage.recv("B", mb, v + 1, state, like=out)
-        if state.split_backward:  # the input gradient only; keep the graph for W
-            stage.backward(name, out, grad, inputs=[x], retain_graph=True)
-            state.pending_w[key] = grad
+        if state.split_backward:  # the input gradient only: W's GEMMs are parked
+            x_grad = stage.backward_input(name, c, mb, out, grad, x, state)
         else:
             stage.backward(name, out, grad)
-            del state.saved[key]
+            x_grad = None if stage.is_first(c) else x.grad
         if not stage.is_first(c):
-            stage.send("B", mb, x.grad, v - 1, state)
+            stage.send("B", mb, x_grad, v - 1, state)
     elif kind == "W" and key in state.pending_w:
-        _, out = state.saved.pop(key)
-        stage.backward(name, out, state.pending_w.pop(key), inputs=stage.chunk_parameters(c))
+        stage.backward_weights(name, c, state.pending_w.pop(key))
     ### END SOLUTION
 
 

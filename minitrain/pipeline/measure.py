@@ -4,14 +4,16 @@ Chapter 7, notebooks/07_pipeline_parallel.ipynb (and its widget and ``python -m
 minitrain.bench pipeline``). ``run_pipelines`` launches p ranks once and runs several
 schedules on them, each traced with ``minitrain.runtime.trace``, returning per schedule the
 timelines, the measured bubble, the predicted one (``check.simulate``), and the peak bytes
-autograd held per stage (``minitrain.memory.LiveSavedBytes``) next to the in-flight formula.
+autograd held per stage (``minitrain.memory.LiveSavedBytes``; zero bubble's W pairs too) next
+to the in-flight formula.
 With ``link=`` (issue 42) the ranks' messages go over a modeled link: ``predicted_step`` is
 ``simulate``'s makespan with each rank's measured action times and α + n/β per message.
 Two kinds of stage:
 - ``"gpt"``: the course's GPT, real compute. On this 2-core machine p ranks share two cores,
   so compute times depend on the load and the bubble only roughly follows the formula.
 - ``"sleep"``: **a calibrated sleep**, not a model: ``SleepGPT`` has the GPT's parts but each
-  block's forward sleeps ``unit`` and its backward 2 ``unit`` (zero bubble: B and W one each),
+  block's forward sleeps ``unit`` and its backward 2 ``unit`` (zero bubble: B and W one each,
+  W in ``SleepStage``),
   the chapter's one cost convention (``check.py``), so the timeline depends on the schedule
   alone, the bubble must match the formula and step times compare across schedules.
   The sleep happens where the stage computes: on a GPU a kernel that spins (a host sleep
@@ -23,107 +25,21 @@ would show when work was queued, and NCCL's waits do not block the host.
 from __future__ import annotations
 
 import statistics
-import time
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from minitrain.memory import LiveSavedBytes, saved_activation_bytes
 from minitrain.pipeline.check import UNIT, ScheduleError, chunk_costs, dependencies, simulate
 from minitrain.pipeline.executor import PipelineStage
 from minitrain.pipeline.messages import sent_by
 from minitrain.pipeline.schedules import make_schedule
+from minitrain.pipeline.sleep_stage import SleepGPT, SleepStage, calibrated_sleep  # noqa: F401
+from minitrain.pipeline.weight_grad import LinearCalls, backward_input
 from minitrain.runtime import device_clock, get_device, launch, trace
 from minitrain.runtime.link_costs import p2p_time
 
 WHOLE_BACKWARD = {"F": 1, "B": 2}  # a schedule without W: B is the whole backward, B + W
-_overshoot = []
-_gpu_cycles_per_second: dict = {}
-
-
-def calibrated_sleep(seconds: float, device="cpu") -> None:
-    """Sleep ``seconds`` on ``device``. The host: ``time.sleep`` minus its measured overshoot
-    on this machine (median of a few tries). A GPU: a kernel spinning that long
-    (``torch.cuda._sleep``), queued on the current stream like the compute it stands for."""
-    if seconds <= 0:
-        return
-    if torch.device(device).type == "cuda":
-        torch.cuda._sleep(int(seconds * _cycles_per_second(device)))
-        return
-    if not _overshoot:  # the median of five 2 ms sleeps' overshoot
-        _overshoot.append(statistics.median(_overslept(0.002) for _ in range(5)))
-    time.sleep(max(0.0, seconds - _overshoot[0]))
-
-
-def _overslept(seconds: float) -> float:
-    start = time.perf_counter()
-    time.sleep(seconds)
-    return time.perf_counter() - start - seconds
-
-
-def _cycles_per_second(device) -> float:
-    """The GPU's spin-kernel cycles per second, timed once by two events around 20 ms of it."""
-    device = torch.device(device)
-    if device not in _gpu_cycles_per_second:
-        with torch.cuda.device(device):
-            torch.cuda._sleep(1_000_000)  # warm-up: the first launch pays its set-up
-            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-            cycles = 20_000_000  # ~20 ms at 1 GHz
-            start.record()
-            torch.cuda._sleep(cycles)
-            end.record()
-            end.synchronize()
-            _gpu_cycles_per_second[device] = cycles / (start.elapsed_time(end) / 1e3)
-    return _gpu_cycles_per_second[device]
-
-
-class _Sleep(torch.autograd.Function):
-    """Identity that sleeps ``forward_s`` in forward and ``backward_s`` in backward."""
-
-    @staticmethod
-    def forward(ctx, x, forward_s, backward_s):
-        ctx.backward_s = backward_s
-        calibrated_sleep(forward_s, x.device)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        calibrated_sleep(ctx.backward_s, grad.device)
-        return grad, None, None
-
-
-class SleepBlock(nn.Module):
-    """out = sleep(x) + sleep(w): forward costs ``t_f``; the input gradient (B) ``t_b``, the
-    weight gradient (W) ``t_w`` — autograd runs only the branch a backward asks for."""
-
-    def __init__(self, t_f: float, t_b: float, t_w: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(()))
-        self.t_f, self.t_b, self.t_w = t_f, t_b, t_w
-
-    def forward(self, x):
-        return _Sleep.apply(x, self.t_f, self.t_b) + _Sleep.apply(self.weight, 0.0, self.t_w)
-
-
-class SleepGPT(nn.Module):
-    """The GPT's parts (embed, blocks, logits) with calibrated-sleep blocks and no real work.
-    One block per virtual stage, so each chunk's F, B and W cost exactly one sleep."""
-
-    def __init__(self, n_layer: int, t_f: float, t_b: float, t_w: float = 0.0):
-        super().__init__()
-        self.config = SimpleNamespace(n_layer=n_layer, tie_weights=False)
-        self.tok_emb, self.pos_emb = nn.Identity(), nn.Identity()
-        self.blocks = nn.ModuleList(SleepBlock(t_f, t_b, t_w) for _ in range(n_layer))
-        self.ln_f, self.head = nn.Identity(), nn.Identity()
-
-    def embed(self, idx, positions=None):  # positions: the GPT's signature; nothing sits anywhere
-        return idx.float().unsqueeze(-1)
-
-    def logits(self, h):
-        return torch.cat([h, -h], dim=-1)  # two "tokens": lm_loss runs as for the GPT
-
 
 def measured_bubble(events_per_rank) -> float:
     """1 - (time every rank computed) / (ranks x span from the first compute to the last)."""
@@ -175,26 +91,31 @@ def predicted_step(schedule, seconds, message_seconds: float = 0.0, num_chunks: 
     return max(free + link_free)
 
 
-def peak_bytes_from_order(actions, chunk_bytes) -> int:
+def peak_bytes_from_order(actions, chunk_bytes, w_bytes=None) -> int:
     """Peak of the activation bytes a stage holds when it runs ``actions`` in order: an F adds
-    its chunk's bytes (``chunk_bytes[c]``), the last of B/W of that micro-batch frees them."""
-    frees = "W" if any(a[0] == "W" for a in actions) else "B"
+    its chunk's bytes (``chunk_bytes[c]``), its B frees them — all but W's (input, output
+    gradient) pairs (``w_bytes[c]``, zero bubble: ``weight_grad.py``), which its W frees."""
+    split = any(a[0] == "W" for a in actions)
     live = peak = 0
     for a in actions:
         c = a[2] if len(a) > 2 else 0
+        kept = w_bytes[c] if split else 0
         if a[0] == "F":
             live += chunk_bytes[c]
             peak = max(peak, live)
-        elif a[0] == frees:
-            live -= chunk_bytes[c]
+        elif a[0] == "B":
+            live -= chunk_bytes[c] - kept
+        elif a[0] == "W":
+            live -= kept
     return peak
 
 
-def _chunk_bytes(stage, batch, seq_len, d_model, targets) -> list:
-    """Bytes autograd saves for one micro-batch through each of this stage's chunks alone."""
-    out, params = [], list(stage.parameters())
+def _chunk_bytes(stage, batch, seq_len, d_model, targets) -> tuple:
+    """Bytes autograd saves for one micro-batch through each of this stage's chunks alone;
+    and of those, the bytes zero bubble's B leaves for W (its held pairs)."""
+    out, kept, params = [], [], list(stage.parameters())
     device = params[0].device
-    for chunk in stage.chunks:
+    for c, chunk in enumerate(stage.chunks):
         def one(x, chunk=chunk):
             h = chunk(chunk.embed(x) if chunk.first else x)
             return chunk.loss(h, targets) if chunk.last else h
@@ -202,7 +123,16 @@ def _chunk_bytes(stage, batch, seq_len, d_model, targets) -> list:
         x = (torch.zeros(batch, seq_len, dtype=torch.long, device=device) if chunk.first else
              torch.zeros(batch, seq_len, d_model, device=device, requires_grad=True))
         out.append(saved_activation_bytes(one, x, exclude=params))
-    return out
+        rest = [q for q in stage.chunk_parameters(c) if q not in stage.w_params[c]]
+        with LiveSavedBytes(exclude=params) as live:
+            with LinearCalls(stage.w_params[c]) as calls:
+                h = one(x)
+            grad = None if chunk.last else torch.ones_like(h)
+            work = backward_input(h, grad, x, calls.calls, rest, not chunk.first)[1]
+            kept.append(live.live)
+            del work
+    stage.zero_grad()
+    return out, kept
 
 
 def _rank_runs(kind, cases, m, batch, unit, config, repeats):
@@ -228,7 +158,7 @@ def _rank_runs(kind, cases, m, batch, unit, config, repeats):
             shape = (batch, config["seq_len"])
             x = torch.randint(0, config["vocab_size"], shape, generator=g, device="cpu").to(device)
             y = torch.randint(0, config["vocab_size"], shape, generator=g, device="cpu").to(device)
-        stage = PipelineStage(model, num_chunks=v)
+        stage = (SleepStage if kind == "sleep" else PipelineStage)(model, num_chunks=v)
         schedule = make_schedule(name, p, m, v)
         # warm-up: gloo connects a pair of ranks on its first message, and the first
         # activation over each link carries the shape header
@@ -243,12 +173,12 @@ def _rank_runs(kind, cases, m, batch, unit, config, repeats):
                 loss = stage.train_step(x, y, schedule, m)
                 seconds = device_clock(x.device) - t
             runs.append(dict(events=trace.events(), seconds=seconds, peak_bytes=live.peak))
-        chunk_bytes = None
+        chunk_bytes = w_bytes = None
         if kind == "gpt":
-            chunk_bytes = _chunk_bytes(stage, batch // m, config["seq_len"], config["d_model"],
-                                       y[: batch // m].clone())
+            chunk_bytes, w_bytes = _chunk_bytes(stage, batch // m, config["seq_len"],
+                                                config["d_model"], y[: batch // m].clone())
         results.append(dict(runs=runs, loss=loss.item(), chunk_bytes=chunk_bytes,
-                            schedule=schedule))
+                            w_bytes=w_bytes, schedule=schedule))
         dist.barrier()
     return results
 
@@ -289,7 +219,9 @@ def run_pipelines(kind: str, num_stages: int, num_microbatches: int, cases, batc
         if kind == "gpt":
             entry["chunk_bytes"] = [r["chunk_bytes"] for r in per_rank]
             entry["predicted_peak_bytes"] = [
-                peak_bytes_from_order(schedule[s], per_rank[s]["chunk_bytes"]) for s in range(p)]
+                peak_bytes_from_order(schedule[s], per_rank[s]["chunk_bytes"], per_rank[s]["w_bytes"])
+                for s in range(p)]
+            entry["w_bytes"] = [r["w_bytes"] for r in per_rank]
         if link is not None:  # a message: (b/m, s, h) floats, or the sleep's (b/m, 2, 1)
             per_row = 2 if kind == "sleep" else config["seq_len"] * config["d_model"]
             cost = entry["message_seconds"] = p2p_time(4 * (batch // m) * per_row, link)

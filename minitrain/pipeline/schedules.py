@@ -49,8 +49,6 @@ def one_f_one_b_schedule(num_stages: int, num_microbatches: int) -> list[list[tu
     """
     check_sizes(num_stages, num_microbatches)
     ### BEGIN SOLUTION
-    # HINT: stage s can start its first backward only after the last stage has run its
-    # HINT: forward of micro-batch 0: it needs p - s - 1 forwards of head start, then one more.
     p, m = num_stages, num_microbatches
     schedule = []
     for s in range(p):

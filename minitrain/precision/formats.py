@@ -28,15 +28,17 @@ def round_significand(sig: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """Drop the lowest `shift` bits of the integer significands `sig`, rounding to nearest, ties
     to even (IEEE 754 roundTiesToEven, section 4.3.1).
 
-    Both are int64 tensors of the same shape, `shift >= 1`. Returns `q`, the kept integer, so that
-    `q * 2**shift` is the multiple of `2**shift` nearest to `sig`; when `sig` lies exactly halfway
-    between two multiples, the one with an even `q` wins. Examples: sig=0b1011, shift=2 -> 3
-    (remainder 0b11 is more than half); sig=0b1010, shift=2 -> 2 (a tie, 2 is even);
-    sig=0b1110, shift=2 -> 4 (a tie, 3 is odd so round up to 4).
+    `sig` and `shift` are int64 tensors of the same shape, `0 <= sig < 2**53` (a float64
+    significand) and `1 <= shift <= 54`, element by element (``FloatFormat.round`` calls it
+    once for a whole tensor: work on tensors, no Python loop over elements). Returns `q`, an int64
+    tensor of that shape: the integer for which `q * 2**shift` is the multiple of `2**shift`
+    nearest to `sig`; when `sig` lies exactly halfway between two multiples, the one with
+    an even `q`. Examples: sig=0b1011, shift=2 -> 3 (0b1011 is 11; 12 = 3 * 4 is nearest);
+    sig=0b1010, shift=2 -> 2 (10 is halfway between 8 and 12: 2 is even);
+    sig=0b1110, shift=2 -> 4 (14 is halfway between 12 and 16: 4 is even). The grader
+    compares with exact rational rounding on random and on tied significands up to 2**53.
     """
     ### BEGIN SOLUTION
-    # HINT: split each value into the bits kept and the bits dropped; the dropped bits decide,
-    # HINT: compared with exactly half of one unit of the kept ones — and a tie goes to even
     one = torch.ones_like(sig)
     q = sig >> shift
     remainder = sig - (q << shift)
@@ -103,20 +105,23 @@ class FloatFormat:
 
     # ----------------------------------------------------------------- bits <-> values
     def decode(self, bits: int) -> float:
-        """The value of the bit pattern `bits` (an int in [0, 2**self.bits)).
+        """The value of the bit pattern `bits` (an int in [0, 2**self.bits)), as a Python float.
 
-        Layout, most significant first: sign S, exponent field E, mantissa field M.
-        Normal (0 < E < all ones): (-1)^S * (1 + M / 2**mantissa_bits) * 2**(E - bias).
-        Subnormal (E == 0):        (-1)^S * (M / 2**mantissa_bits) * 2**(1 - bias).
-        All-ones E: inf if M == 0 and NaN otherwise (IEEE formats); when `has_inf` is False
-        only M all ones is NaN and every other pattern is an ordinary normal number.
+        Layout, most significant first: sign S (1 bit), exponent field E (`exponent_bits`),
+        mantissa field M (`mantissa_bits`); the value rules are IEEE 754's (section 3.4):
+        normal (0 < E < all ones): (-1)^S * (1 + M / 2**mantissa_bits) * 2**(E - bias);
+        subnormal (E == 0): (-1)^S * (M / 2**mantissa_bits) * 2**(1 - bias) — zero included,
+        with its sign (-0.0 for S = 1); all-ones E: inf (with its sign) if M == 0 and NaN
+        otherwise (IEEE formats); when `has_inf` is False only M all ones is NaN and every
+        other all-ones-E pattern is an ordinary normal number. Every value of these formats is
+        a float64 exactly. The grader decodes every pattern of FP16, BF16 and both FP8 formats
+        and compares with torch's reading of the same bits.
         """
         if not isinstance(bits, int) or not 0 <= bits < 2**self.bits:
             raise ValueError(
                 f"{self.name} bit pattern must be an int in [0, 2**{self.bits}), got {bits!r}"
             )
         ### BEGIN SOLUTION
-        # HINT: extract the fields with >> and & ((1 << n) - 1); math.ldexp(m, e) is m * 2**e
         m_bits = self.mantissa_bits
         sign = -1.0 if (bits >> (self.exponent_bits + m_bits)) & 1 else 1.0
         exponent = (bits >> m_bits) & ((1 << self.exponent_bits) - 1)

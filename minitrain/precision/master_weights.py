@@ -83,14 +83,18 @@ class MasterWeightOptimizer:
             p.grad, m.grad = None, None
 
     def step(self) -> None:
-        """One optimizer step on the fp32 masters, then copy them back into the model.
+        """One optimizer step on the fp32 masters; the model's parameters follow.
 
-        The masters' `.grad` already hold the fp32 gradients. After `self.optimizer.step()`,
-        write each master into its model parameter (`copy_` rounds to the model's dtype, to
-        nearest even); the master keeps the digits the low-precision copy cannot hold.
+        On entry each master's `.grad` holds its fp32 gradient. `self.optimizer` was built over
+        `self.master_params` (fp32 copies; it never sees the model's parameters);
+        `self.model_params[i]` is the model parameter of `self.master_params[i]`. Afterwards
+        each master is the optimizer's update of itself, and each model parameter holds its
+        master rounded to the parameter's dtype, to nearest even (what `copy_` into a bf16 or
+        fp16 tensor does) — so an update smaller than the low-precision spacing is kept in the
+        master and reaches the model once the sum is large enough. Writing into a parameter
+        that requires grad must happen outside autograd.
         """
         ### BEGIN SOLUTION
-        # HINT: self.optimizer, self.model_params, self.master_params; use torch.no_grad()
         self.optimizer.step()
         with torch.no_grad():
             for p, m in zip(self.model_params, self.master_params):

@@ -27,20 +27,23 @@ def ring_neighbours(group: ProcessGroup | None = None) -> tuple[int, int]:
 
 
 def pass_the_token(token: torch.Tensor, group: ProcessGroup | None = None) -> torch.Tensor:
-    """Pass a token once around the ring; every rank adds ``rank + 1`` to it on the way.
+    """Pass a token once around the ring; every rank adds ``rank + 1`` to it on its turn.
 
-    Rank 0 starts: it adds 1 to ``token`` and sends it to rank 1. Every other rank r
-    receives the token from rank r-1, adds r+1 and sends it on to rank (r+1) mod N.
-    Finally rank 0 receives it back from rank N-1. Return the token as this rank last
-    held it: on rank 0 that is ``token + 1 + 2 + … + N``, the same number an
-    all-reduce of ``rank + 1`` gives. With one rank, return ``token + 1``.
+    The ring is the ranks of ``group`` (None: every rank) in rank order, 0 → 1 → … → N-1
+    → 0; rank 0 takes the first turn, and the token ends its trip back at rank 0. Returns a new
+    tensor (same shape and dtype as ``token``) holding the token as this rank last held it:
+    on rank 0, after the trip, ``token + 1 + 2 + … + N`` (the number an all-reduce of
+    ``rank + 1`` adds); on rank r > 0, as it left that rank, ``token + 1 + 2 + … + (r+1)``.
+    With one rank there is no trip: return ``token + 1``.
 
-    ``token`` is not modified. Send and receive with ``dist.send`` / ``dist.recv``
-    (``ring_neighbours`` gives the ranks to talk to).
+    Requirements and why: ``token`` is not modified (the caller keeps it; the grader
+    compares it with a copy); only ``dist.send`` and ``dist.recv`` move data (the exercise
+    is building a collective from the two primitives: the grader records any of torch's
+    collectives and fails the test); it must not hang — a ``recv`` waits until the matching
+    ``send`` is issued. May use ``ring_neighbours(group)`` (this rank's predecessor and
+    successor, as global ranks: what ``send``/``recv`` take).
     """
     ### BEGIN SOLUTION
-    # HINT: rank 0 must send before it receives, every other rank receives first —
-    # HINT: otherwise every rank waits in recv and nobody ever sends.
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     prev_rank, next_rank = ring_neighbours(group)
     held = token.clone()
@@ -60,17 +63,23 @@ def pass_the_token(token: torch.Tensor, group: ProcessGroup | None = None) -> to
 
 def broadcast(tensor: torch.Tensor, src: int = 0,
               group: ProcessGroup | None = None) -> torch.Tensor:
-    """Copy ``tensor`` from rank ``src`` to every rank, in place, using only send/recv.
+    """Copy ``tensor`` from rank ``src`` to every rank of ``group``, in place, with send/recv only.
 
-    The simplest algorithm: ``src`` sends its tensor to each other rank in turn
-    (N-1 sends from one rank: the root's link is the bottleneck — chapter 4 does
-    better). Every other rank receives into ``tensor``. ``src`` is a global rank, as in
-    ``dist.broadcast``. Returns ``tensor``. A ``src`` that is not a member of the group
-    raises ``ValueError`` naming it: gloo would otherwise crash the process on a recv from
-    a rank that does not exist.
+    ``src`` is a global rank, as in ``dist.broadcast``; ``group`` (None: every rank) says
+    which ranks take part, and only they call. Afterwards every member's ``tensor`` holds
+    ``src``'s values (any dtype); returns ``tensor`` itself.
+
+    Requirements and why:
+    - only ``dist.send`` and ``dist.recv`` move data (the grader records torch's
+      collectives and fails the test);
+    - every member other than ``src`` receives the tensor exactly once: (N-1) × its bytes
+      are sent in all (the grader counts them) — chapter 4 asks how long that takes;
+    - ``send``/``recv`` take global ranks, so a sub-group's members must be named by their
+      global ranks (the grader broadcasts inside a group of ranks 1 and 2 of 3);
+    - a ``src`` that is not a member raises ``ValueError`` naming it, before any message:
+      gloo would otherwise crash the process on a recv from a rank that does not exist.
     """
     ### BEGIN SOLUTION
-    # HINT: dist.get_global_rank(group, i) turns a rank of the group into a global rank
     rank, world = dist.get_rank(), dist.get_world_size(group)
     members = [i if group is None else dist.get_global_rank(group, i) for i in range(world)]
     if src not in members:

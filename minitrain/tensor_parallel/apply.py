@@ -16,7 +16,13 @@ stream between sub-blocks is a 1/t shard of the sequence on each rank: the rows 
 apply too, and f/g become all-gather / reduce-scatter. A LayerNorm's parameters (and the
 position table) are replicated but see only a shard, so their gradients must be summed
 across the group — the classic bug is to forget it; here they enter through f, whose
-backward does the sum.
+backward does the sum: one small all-reduce per parameter per use (per block: two LayerNorms'
+gain and bias, plus the two row biases added on a shard), during backward. Megatron-LM instead
+marks these parameters and all-reduces their gradients once per step, coalesced into one
+message, after backward (``finalize_model_grads``): the same bytes in one message instead of
+6 per block (+ ln_f's 2 and the position table's 1). Kept per use here because it needs no
+step hook: the gradients are complete when backward returns, so clipping, ZeRO/DP and the
+trainer see them as they see every other gradient.
 
 ``apply_tensor_parallel`` walks the table and puts a new module, built from the dense one,
 where the dense one was (no object changes class): parameter names stay the dense model's and
@@ -54,7 +60,8 @@ from minitrain.tensor_parallel.random import TensorParallelRNG
 
 class SequenceParallelLayerNorm(nn.LayerNorm):
     """A LayerNorm run on a shard of the sequence: its gain and bias enter through f, so
-    their gradients (partial: one shard's tokens) are summed across the group."""
+    their gradients (partial: one shard's tokens) are summed across the group — here, in
+    backward, one all-reduce per parameter per use (Megatron: once per step, coalesced)."""
 
     def __init__(self, normalized_shape, eps=1e-5, bias=True, group: ProcessGroup | None = None):
         super().__init__(normalized_shape, eps, bias=bias)

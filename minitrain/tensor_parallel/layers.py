@@ -1,12 +1,15 @@
 """Column- and row-parallel Linears and the vocabulary-parallel embedding.
 
-Shoeybi et al. 2019 (Megatron-LM, section 3, Figure 3): a Linear y = x A^T + b is split
+Shoeybi et al. 2019 (Megatron-LM, section 3, Figure 3). One weight-layout convention: torch's
+nn.Linear stores W as (out, in) and computes y = x W^T + b; Megatron writes Y = XA with A = W^T
+(in, out). The names "column" and "row" are Megatron's, of A — so a column split of A is a row
+split of torch's W, and a row split of A a column split of W. A Linear is split
 
-- by *columns* of its output (rank r holds rows r*o/t .. (r+1)*o/t of A and of b): each
-  rank computes its slice of y from the whole x — the input enters through f;
-- by *rows* of its input (rank r holds columns r*i/t .. of A): each rank multiplies its
-  slice of x and the partial products are summed by g. The bias is added once, *after*
-  the sum — added on every rank before it, it would count t times.
+- by *columns* of A, its output features (rank r holds rows r*o/t .. (r+1)*o/t of W and of
+  b): each rank computes its slice of y from the whole x — the input enters through f;
+- by *rows* of A, its input features (rank r holds columns r*i/t .. of W): each rank
+  multiplies its slice of x and the partial products are summed by g. The bias is added
+  once, *after* the sum — added on every rank before it, it would count t times.
 
 Column then row (MLP: fc_in, fc_out; attention: q/k/v, out_proj) needs one all-reduce
 forward and one backward per sub-block. With ``sequence_parallel=True`` (Korthikanti et
@@ -61,7 +64,8 @@ def like(tensor: torch.Tensor) -> dict:
     return {"device": tensor.device, "dtype": tensor.dtype}
 
 class ColumnParallelLinear(nn.Module):
-    """A Linear whose *output* features are split across the group.
+    """A Linear whose *output* features are split across the group (columns of Megatron's A,
+    rows of torch's weight W).
 
     Input: replicated (or, with ``sequence_parallel``, this rank's sequence shard).
     Output: this rank's contiguous slice of the last dimension, or the whole output if
@@ -118,8 +122,6 @@ class ColumnParallelLinear(nn.Module):
         (q, k, v), and doing it again would sum the gradient twice.
         """
         ### BEGIN SOLUTION
-        # HINT: three independent choices: how the input enters (two flags), the matmul on this
-        # HINT: rank's rows, and whether the slices are joined afterwards
         if self.communicate_input and self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.group)
         elif self.communicate_input:
@@ -133,7 +135,8 @@ class ColumnParallelLinear(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    """A Linear whose *input* features are split across the group; output summed.
+    """A Linear whose *input* features are split across the group (rows of Megatron's A,
+    columns of torch's weight W); output summed.
 
     Input: this rank's slice of the last dimension (``input_is_parallel=True``, the
     column layer's output) or the whole input, which is then split here. Output: the full
@@ -189,8 +192,6 @@ class RowParallelLinear(nn.Module):
         of the bias drift apart).
         """
         ### BEGIN SOLUTION
-        # HINT: a partial product per rank, a sum (or a sum scattered along the sequence), and
-        # HINT: only then the bias — whose gradient must come out whole on every rank
         if not self.input_is_parallel:
             x = scatter_to_parallel_region(x, self.group)
         partial = F.linear(x, self.weight)  # this rank's share of the sum; no bias yet

@@ -123,7 +123,6 @@ class CopyToParallelRegion(torch.autograd.Function):
         on ``ctx`` for backward. No communication here: every rank already holds all of x.
         """
         ### BEGIN SOLUTION
-        # HINT: what backward will need is not a tensor — it can live on ctx as an attribute
         ctx.group = group
         return x.view_as(x)  # a view, not x itself: autograd wants a new output tensor
         ### END SOLUTION
@@ -138,7 +137,6 @@ class CopyToParallelRegion(torch.autograd.Function):
         which autograd may share) and ``ctx.group``.
         """
         ### BEGIN SOLUTION
-        # HINT: the gradient of a value copied to every rank is the sum of what each rank sends back
         return all_reduce(grad.contiguous().clone(), ctx.group), None
         ### END SOLUTION
 
@@ -154,7 +152,6 @@ class ReduceFromParallelRegion(torch.autograd.Function):
         may have saved it). May use ``all_reduce(tensor, group)``.
         """
         ### BEGIN SOLUTION
-        # HINT: in-place collectives change what they are given: give them something of your own
         return all_reduce(x.contiguous().clone(), group)
         ### END SOLUTION
 
@@ -165,7 +162,6 @@ class ReduceFromParallelRegion(torch.autograd.Function):
         x_0 + ... + x_{t-1}, so d(out)/d(x_r) is the identity for every r.
         """
         ### BEGIN SOLUTION
-        # HINT: the sum's gradient is the same on every rank: pass it through
         return grad, None
         ### END SOLUTION
 

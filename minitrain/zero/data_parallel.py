@@ -58,8 +58,9 @@ class ZeroDataParallel(OrderedGathers):
     (one parameter group). ``bucket_cap_mb``: gradient bucket size of stages 1-2. Stage 3
     gathers per *unit*: ``units`` (modules; default: units.py's, ``module.blocks`` or else the
     children, descending into containers) plus a root unit for every other parameter; a use
-    of a parameter whose unit is not gathered raises. ``offload=True`` keeps the optimizer
-    state and its step on the host (``"cpu"``), ZeRO-Offload.
+    of a parameter whose unit is not gathered raises. ``offload=True``: ZeRO-Offload, master
+    slice, Adam's moments and step on the host (``"cpu"``); parameters and the averaged fp32
+    gradient slice stay on the device (Ren et al. 2021 move the gradients too, in backward).
 
     Ranks may use different parameters (data-dependent branches): every unit's gradients are
     reduce-scattered in one fixed order on every rank — a complete unit waits for all earlier
@@ -176,10 +177,9 @@ class ZeroDataParallel(OrderedGathers):
         Requirements and why: block ``index`` cannot compute before its own parameters are
         whole; block ``index + 1``'s gather must be *in flight* — started, not waited for —
         while block ``index`` computes, so the transfer hides behind the compute (Rajbhandari
-        et al. 2020, section 5.2: prefetching); waiting for it here would serialise them again.
+        et al. 2020, section 7.2.2: prefetching); waiting for it here would serialise them again.
         """
         ### BEGIN SOLUTION
-        # HINT: self._start_gather(unit) launches an asynchronous all-gather
         self._wait_gather(self.units[index])
         if index + 1 < len(self.blocks):
             self._start_gather(self.units[index + 1])
@@ -202,7 +202,6 @@ class ZeroDataParallel(OrderedGathers):
         grad enabled and an output that requires grad).
         """
         ### BEGIN SOLUTION
-        # HINT: output.register_hook(fn) calls fn(grad) when the gradient of output is known
         trace.record(f"forward block {index}", "compute", self._block_start, trace.now(self.device))
         self._free(self.units[index])
         if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and output.requires_grad:

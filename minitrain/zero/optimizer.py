@@ -96,7 +96,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
           expects, so the log matches chapter 4's (N-1)/N formula.
         """
         ### BEGIN SOLUTION
-        # HINT: an all-gather needs equal pieces: every rank pads its share to the largest one
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -17,8 +17,6 @@ def partition_parameters(sizes: list[int], world_size: int) -> list[list[int]]:
     (8 and 6 elements; the best split is 7 and 7: greedy's largest load is within 4/3 of the best).
     """
     ### BEGIN SOLUTION
-    # HINT: keep a running load per rank; the order in which you place the parameters and how
-    # HINT: you break ties between equally loaded ranks both matter (the answer is unique)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     loads, owned = [0] * world_size, [[] for _ in range(world_size)]

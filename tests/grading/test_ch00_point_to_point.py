@@ -89,6 +89,40 @@ def test_pass_the_token(world_size):
         )
 
 
+def _token_in_a_group():
+    from minitrain.runtime.point_to_point import pass_the_token
+
+    group = dist.new_group([1, 2])  # every rank takes part in creating it
+    held = None
+    if dist.get_rank() in (1, 2):
+        with _record_calls() as calls:
+            held = pass_the_token(torch.zeros(2), group=group).tolist()
+        assert not calls["collectives"], _only_send_recv("pass_the_token", calls)
+    dist.barrier()
+    return held
+
+
+@pytest.mark.exercise("pass_the_token", points=1)
+def test_pass_the_token_goes_round_the_group():
+    from minitrain.runtime import LaunchError
+
+    try:
+        results = launch(_token_in_a_group, 3, timeout=60)
+    except LaunchError as exc:
+        if "NotImplementedError" in str(exc):
+            raise
+        raise AssertionError(
+            f"pass_the_token(group=[ranks 1, 2]) on 3 ranks did not finish: "
+            f"{str(exc).splitlines()[0]} — does a rank wait for rank 0, which is not in the "
+            f"group? The ring is the group's ranks (ring_neighbours(group), "
+            f"dist.get_rank(group))") from None
+    for rank, want in ((1, [3.0, 3.0]), (2, [3.0, 3.0])):
+        assert results[rank] == want, (
+            f"pass_the_token(group=[ranks 1, 2]) on 3 ranks: global rank {rank} returned "
+            f"{results[rank]}, expected {want} — the ring is the group's ranks (rank 1 is the "
+            f"group's rank 0 and adds 1, rank 2 adds 2), and send/recv take global ranks")
+
+
 def _broadcast_vs_torch(src, dtype):
     from minitrain.runtime.point_to_point import broadcast
 

@@ -24,7 +24,21 @@ PARAM_CONFIGS = [
 @pytest.mark.parametrize("config", PARAM_CONFIGS, ids=["default", "d_ff", "no_bias", "tied", "experts"])
 def test_gpt_num_params(config):
     counted = sum(p.numel() for p in GPT(config).parameters())  # each shared tensor once
-    mine = model_mod.gpt_num_params(config)
+    built = []
+    real_init = GPT.__init__
+
+    def recorded_init(self, *args, **kwargs):  # still builds it: only noted, then failed below
+        built.append(True)
+        real_init(self, *args, **kwargs)
+
+    GPT.__init__ = recorded_init
+    try:
+        mine = model_mod.gpt_num_params(config)
+    finally:
+        GPT.__init__ = real_init
+    assert not built, (
+        "gpt_num_params built a GPT to count its parameters; count from the config alone "
+        "(the chapter calls it for 7B-parameter configs no machine here can allocate)")
     assert mine == counted, (
         f"gpt_num_params gives {mine} for {config}, but the model has {counted} parameters"
     )
@@ -127,6 +141,36 @@ def test_accumulate_gradients(rows, micro):
             f"{name}: accumulated gradient differs from the one-big-batch gradient by {err:.3g} "
             f"(is each micro-batch loss scaled by its share of the tokens?)"
         )
+
+
+class _Watched(torch.nn.Module):
+    """The model, noting for every forward whether the previous output's backward has run."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.pending = inner, []
+
+    def forward(self, x):
+        if self.pending and not self.pending[-1]["reached"]:
+            self.pending[-1]["late"] = True
+        out = self.inner(x)
+        note = {"reached": False, "late": False}
+        out.register_hook(lambda g: note.__setitem__("reached", True))
+        self.pending.append(note)
+        return out
+
+
+@pytest.mark.exercise("accumulate_gradients", points=1)
+def test_accumulate_gradients_backwards_each_micro_batch_before_the_next():
+    torch.manual_seed(0)
+    model = _Watched(GPT(GPTConfig()))
+    x, y = torch.randint(0, 64, (6, 32)), torch.randint(0, 64, (6, 32))
+    train_step_mod.accumulate_gradients(model, list(zip(x.split(2), y.split(2))))
+    late = [i for i, note in enumerate(model.pending[:-1]) if note["late"]]
+    assert not late, (
+        f"accumulate_gradients ran the forward of micro-batch {late[0] + 1} before the backward of "
+        f"micro-batch {late[0]}: every graph stayed alive until the end, so memory grows with the "
+        f"number of micro-batches — backward each one before the next forward")
 
 
 @pytest.mark.exercise("estimate_training_memory", points=1)

@@ -124,6 +124,34 @@ def test_backward_leaves_the_random_stream_as_it_found_it():
     )
 
 
+@pytest.mark.exercise("CheckpointFunction.backward", points=1)
+def test_backward_restores_the_random_stream_when_the_recomputation_raises():
+    calls = []
+
+    def fn(x):  # draws random numbers; the second time, in backward's recomputation, it fails
+        calls.append(1)  # before drawing: the generator is left at the forward's state
+        if len(calls) == 2:
+            raise ValueError("recomputation failed")
+        return x * torch.rand_like(x)
+
+    x = torch.randn(3, requires_grad=True)
+    torch.manual_seed(5)
+    out = _apply(fn, x)
+    before = torch.get_rng_state()
+    raised = None
+    try:
+        out.sum().backward()
+    except Exception as exc:  # noqa: BLE001 — whatever autograd wraps it in
+        raised = exc
+    assert raised is not None and "recomputation failed" in str(raised), (
+        f"CheckpointFunction.backward: fn raised during the recomputation, but backward "
+        f"{'returned' if raised is None else f'raised {type(raised).__name__}: {raised}'}")
+    assert torch.equal(torch.get_rng_state(), before), (
+        "CheckpointFunction.backward: fn raised during the recomputation and the caller's "
+        "random stream was left at the forward's state — put the current state back in a "
+        "finally, so it is restored whatever fn does")
+
+
 def _outcome(fn, *args, **kwargs):
     """(the exception fn raised or None, what it returned): to say both in plain words."""
     try:
