@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import torch
 
-
-def _accumulate_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+from minitrain.kernels.norms import accumulation_dtype
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -33,7 +31,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, targets, chunk_size, ignore_index):
-        acc = _accumulate_dtype(x)
+        acc = accumulation_dtype(x)
         counted = targets != ignore_index
         lse = torch.zeros(x.shape[0], dtype=acc, device=x.device)
         total = torch.zeros((), dtype=acc, device=x.device)

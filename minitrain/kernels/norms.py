@@ -20,11 +20,14 @@ Zhang & Sennrich 2019 (RMSNorm); Ba et al. 2016 (LayerNorm).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
-def _stat_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype the statistics are computed and kept in: fp64 for fp64, else fp32."""
+def accumulation_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype chapter 12's kernels compute and keep statistics in: fp64 for fp64, else
+    fp32 (a 16-bit sum over a row or a vocabulary loses what it is made of)."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
@@ -46,7 +49,7 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        stat = _stat_dtype(x)
+        stat = accumulation_dtype(x)
         xs = x.to(stat)
         rstd = torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
@@ -92,7 +95,7 @@ class LayerNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, eps):
-        stat = _stat_dtype(x)
+        stat = accumulation_dtype(x)
         xs = x.to(stat)
         mean = xs.mean(-1, keepdim=True)
         rstd = torch.rsqrt((xs - mean).pow(2).mean(-1, keepdim=True) + eps)
@@ -148,10 +151,7 @@ def norm_saved_bytes(shape, dtype: torch.dtype, kind: str = "rms") -> int:
     """What the fused norm keeps for backward besides its weight, in bytes: the input
     (N·d·e) and one fp32 (fp64 for fp64 input) statistic per row — RMSNorm the reciprocal
     root, LayerNorm also the mean. ``shape`` is the input's; N the product of all but the last."""
-    d = shape[-1]
-    rows = 1
-    for s in shape[:-1]:
-        rows *= s
+    d, rows = shape[-1], math.prod(shape[:-1])
     stat = 8 if dtype == torch.float64 else 4
     per_row = {"rms": 1, "layer": 2}[kind]
     return rows * d * dtype.itemsize + rows * per_row * stat
